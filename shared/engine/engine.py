@@ -1,0 +1,148 @@
+"""The engine prefill and decode instances share: model + paged KV + block manager + scheduler.
+
+Scheduler-facing life of a request: add -> (match prefix -> allocate -> compute -> register full
+blocks)* -> sample -> ... -> finish (release). Other owners of a sequence's blocks (an async save, a
+handoff in flight) call `block_manager.acquire/release` themselves; a block returns to the free pool
+only when its last owner lets go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.model import LlamaModel
+from shared.engine.models import LoadedModel
+from shared.engine.runner import ModelRunner
+from shared.engine.sampling import SamplingParams, sample
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Sequence
+from shared.engine.stopping import check_stop
+from shared.hashing import namespace_seed
+from shared.kv_events import KVEvent
+from shared.kv_layout import KVLayout, allocate_pages
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int = 1024            # KV capacity = num_blocks * block_size tokens
+    stages: int = 1                   # pipeline stages the KV pool is split into
+    max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
+    max_num_seqs: int = 32
+    device: str = "cpu"
+    dtype: str = "float32"            # compute dtype
+    kv_dtype: str | None = None       # defaults to dtype
+    enable_prefix_cache: bool = True
+    tenant_salt: str = ""
+    record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 on_kv_event: Callable[[KVEvent], None] | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        mc = loaded.config
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                               dtype=_DTYPES[cfg.kv_dtype or cfg.dtype], stages=cfg.stages)
+        self.namespace = self.layout.fingerprint(loaded.model_id, cfg.tenant_salt)
+        self.model = LlamaModel(mc, loaded.weights, self.layout, cfg.device, _DTYPES[cfg.dtype])
+        self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)
+        self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size,
+                                          namespace_seed(self.namespace), on_kv_event)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batched_tokens, cfg.max_num_seqs,
+                                   cfg.enable_prefix_cache)
+        self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.sequences: dict[str, Sequence] = {}
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.config.num_blocks * self.layout.block_size
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} already active")
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.loaded.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.loaded.config.max_context:
+            raise ValueError(f"this model's maximum context length is {self.loaded.config.max_context} tokens; "
+                             f"the prompt ({len(prompt_ids)}) plus max_tokens ({params.max_tokens}) is {total}")
+        if total > self.kv_capacity_tokens:
+            raise ValueError(f"prompt plus max_tokens ({total}) exceeds this engine's KV capacity "
+                             f"({self.kv_capacity_tokens} tokens)")
+        seq = Sequence(request_id, list(prompt_ids), params)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.has_work():
+                raise RuntimeError("engine stalled: no KV blocks free for any waiting request")
+            return []
+        samplers, logits = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+        if not samplers:
+            return []
+        seqs = [batch.seqs[i] for i in samplers]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            if self.config.record_prompt_logits and not seq.output_ids:
+                seq.prompt_logits = logits[row].clone()
+            seq.token_ids.append(token)
+            old_text = seq.output_text
+            reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.sequences.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq.request_id, [token], seq.output_text[len(old_text):],
+                                      reason is not None, reason))
+        return outputs
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.layout.block_size
+        if full > seq.num_registered_blocks:
+            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, full,
+                                                    start_block=seq.num_registered_blocks)
+            seq.num_registered_blocks = full
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion (offline use and tests). Returns finished sequences in order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        base = len(self.sequences) + id(prompts)
+        seqs = [self.add_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return seqs

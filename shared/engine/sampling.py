@@ -1,0 +1,62 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self) -> torch.Generator | None:
+        """A generator owned by one request, so its samples do not depend on batch neighbours."""
+        if self.greedy:
+            return None
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return torch.Generator().manual_seed(seed)
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [V] float32 -> token id."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest head whose mass reaches top_p (the first token always stays)
+        keep = (torch.cumsum(sorted_probs, 0) - sorted_probs) < params.top_p
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        idx = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        return int(order[idx])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """logits: [B, V]. Greedy rows share one argmax; others sample with their own generator."""
+    if all(p.greedy for p in params):
+        return torch.argmax(logits, dim=-1).tolist()
+    return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]

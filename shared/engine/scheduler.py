@@ -1,0 +1,133 @@
+"""Chooses what the next engine step computes: a chunked-prefill batch, else one decode token each.
+
+Prefill comes first and is bounded by `max_batched_tokens` per step, so a long prompt is computed in
+several steps (chunked prefill). A waiting sequence is admitted by matching its longest cached prefix
+in the device prefix index (those blocks get one more owner and are not recomputed), then allocating
+blocks only for the tokens this step computes. When decode runs out of blocks, the newest running
+sequence is preempted: its blocks are released (still cached) and it is recomputed later, mostly from
+the prefix cache. Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.block_manager import BlockManager, OutOfBlocks
+from shared.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_tokens: list[int]  # new tokens computed per sequence this step
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batched_tokens: int, max_num_seqs: int,
+                 enable_prefix_cache: bool = True):
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_cache = enable_prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch.seqs:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        batch = ScheduledBatch(True, [], [])
+        budget = self.max_batched_tokens
+        for seq in self.running:  # continue prompts already being chunked
+            if budget == 0:
+                break
+            n = min(seq.num_uncomputed, budget)
+            if seq.num_uncomputed > 1 and self._try_grow(seq, n):
+                batch.seqs.append(seq), batch.num_tokens.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._admit_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self._try_grow(seq, n):
+                self._drop_blocks(seq)  # retry later, when blocks are free
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq), batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch(False, [], [])
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                continue
+            while not self._try_grow(seq, 1):
+                victim = self.running[-1]  # the newest loses its blocks first
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                batch.seqs.append(seq), batch.num_tokens.append(1)
+        if not batch.seqs and len(self.running) > 1:
+            self.preempt(self.running[-1])  # prompts stuck mid-prefill: free room for the older ones
+        return batch if batch.seqs else None
+
+    def _admit_prefix(self, seq: Sequence) -> None:
+        if seq.block_table or not self.enable_prefix_cache:
+            return
+        # Leave at least one token to compute: its logits choose the next token.
+        match = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1)
+        if match.block_ids:
+            self.bm.acquire(match.block_ids)
+            seq.block_table = list(match.block_ids)
+            seq.num_computed = match.num_tokens
+            seq.num_registered_blocks = len(match.block_ids)
+            if seq.num_preemptions == 0:
+                seq.num_device_cached = match.num_tokens
+
+    def _try_grow(self, seq: Sequence, n: int) -> bool:
+        """Make room for n more computed tokens; False (nothing changed) if blocks ran out."""
+        need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        try:
+            seq.block_table.extend(self.bm.allocate(need))
+        except OutOfBlocks:
+            return False
+        return True
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.bm.release(reversed(seq.block_table))  # tails evict before their prefixes
+        seq.block_table, seq.num_computed, seq.num_registered_blocks = [], 0, 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release the sequence's ownership of its blocks (they stay cached if registered)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self._drop_blocks(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

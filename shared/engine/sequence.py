@@ -1,0 +1,58 @@
+"""One request's state inside an engine: its tokens, its blocks, and where its prompt came from."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    status: SeqStatus = SeqStatus.WAITING
+    # Invariant: KV of token_ids[:num_computed] is in pages at block_table; blocks
+    # [0, num_registered_blocks) are full, computed and registered in the prefix index.
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # Token-source account for the prompt: device prefix cache hit vs computed here.
+    num_device_cached: int = 0
+    output_text: str = ""
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    prompt_logits: torch.Tensor | None = None  # logits that chose the first token (when recorded)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        self.generator = self.params.make_generator()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

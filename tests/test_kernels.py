@@ -1,0 +1,182 @@
+"""Reference KV kernels: exact round trips over odd sizes, stages, ranks and dtypes; dispatch rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import get_kv_kernels
+from kernels.reference import (gather_for_ranks, pack_chunk, rank_num_tokens, scatter_from_rank,
+                               unpack_chunk)
+from shared.kv_layout import KVLayout, allocate_pages
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _random_pages(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g).to(layout.dtype) for p in allocate_pages(layout, num_blocks)]
+
+
+def _poison(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def _token_kv(stage_pages, layout: KVLayout, table: list[int], t: int) -> torch.Tensor:
+    """[L, 2, H, D] of token t, read one element path at a time (independent of the kernels)."""
+    B = layout.block_size
+    return torch.cat([p[table[t // B], :, :, t % B] for p in stage_pages], dim=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_blocks", [1, 3, 16])
+def test_pack_unpack_round_trip_into_other_blocks(dtype, n_blocks):
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=dtype, stages=2)
+    src = _random_pages(layout, 40)
+    src_ids = torch.randperm(40)[:n_blocks]
+    dst_ids = [(int(i) + 7) % 40 for i in src_ids]
+    for s in range(layout.stages):
+        buf = pack_chunk(src[s], src_ids)
+        assert buf.is_contiguous() and buf.shape == (n_blocks, *src[s].shape[1:])
+        assert torch.equal(buf, src[s][src_ids])
+        dst = _poison(src[s].shape, dtype)
+        unpack_chunk(buf.flatten(), dst, dst_ids)  # flat buffer, as landed from the store
+        assert torch.equal(dst[dst_ids], src[s][src_ids])
+        others = [b for b in range(40) if b not in dst_ids]
+        assert dst[others].isnan().all()  # untouched
+
+
+def test_pack_into_preallocated_flat_out():
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)
+    (pages,) = _random_pages(layout, 20)
+    ids = list(range(3, 19))
+    out = _poison((pages[0].numel() * len(ids),), torch.float32)
+    assert pack_chunk(pages, ids, out=out) is out
+    assert torch.equal(out.view(len(ids), *pages.shape[1:]), pages[ids])
+    with pytest.raises(ValueError, match="numel"):
+        pack_chunk(pages, ids, out=torch.empty(out.numel() - 1))
+    with pytest.raises(ValueError, match="dtype"):
+        pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.bfloat16))
+
+
+LAYOUTS = [
+    KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, stages=1),
+    KVLayout(num_layers=5, num_kv_heads=1, head_dim=4, stages=2),  # uneven split 3 + 2
+    KVLayout(num_layers=4, num_kv_heads=2, head_dim=2, stages=3),  # 2 + 1 + 1
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout_i", range(len(LAYOUTS)))
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 37, 255, 257])
+def test_gather_scatter_round_trip(dtype, layout_i, cp, num_tokens):
+    base = LAYOUTS[layout_i]
+    layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, dtype=dtype, stages=base.stages)
+    B, L, H, D = layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim
+    nb_prefill = -(-num_tokens // B) + 3
+    prefill = _random_pages(layout, nb_prefill, seed=num_tokens)
+    table = torch.randperm(nb_prefill)[: -(-num_tokens // B)].tolist()
+
+    outs = [_poison((rank_num_tokens(num_tokens, cp, r) * L * 2 * H * D,), dtype) for r in range(cp)]
+    bufs = gather_for_ranks(prefill, table, num_tokens, cp, layout, outs=outs)
+    assert all(b is o for b, o in zip(bufs, outs))
+    assert sum(b.numel() for b in bufs) == num_tokens * L * 2 * H * D
+    assert not any(b.isnan().any() for b in bufs)  # every element written
+
+    decode_layout = KVLayout(L, H, D, dtype=dtype, stages=1)
+    for r, flat in enumerate(bufs):
+        T_r = rank_num_tokens(num_tokens, cp, r)
+        buf = flat.view(T_r, L, 2, H, D)
+        for i in range(T_r):  # buffer order: local i is global token r + i * cp
+            assert torch.equal(buf[i], _token_kv(prefill, layout, table, r + i * cp))
+        nb = -(-T_r // B) + 2
+        (pages,) = allocate_pages(decode_layout, nb)
+        pages.fill_(float("nan"))
+        dtable = list(range(nb - 1, 1, -1))[: -(-T_r // B)]  # reversed, skipping blocks 0 and 1
+        scatter_from_rank(buf, pages, dtable, T_r)
+        for i in range(T_r):
+            assert torch.equal(_token_kv([pages], decode_layout, dtable, i),
+                               _token_kv(prefill, layout, table, r + i * cp))
+        assert pages[[0, 1]].isnan().all()  # blocks outside the table untouched
+        written = torch.zeros(nb * B, dtype=torch.bool)
+        for i in range(T_r):
+            written[dtable[i // B] * B + i % B] = True
+        slot_nan = pages.permute(0, 3, 1, 2, 4, 5).reshape(nb * B, -1).isnan()
+        assert not slot_nan[written].any() and slot_nan[~written].all()  # partial tail untouched
+
+
+def test_gather_fewer_tokens_than_ranks_and_empty():
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, stages=2)
+    pages = _random_pages(layout, 2)
+    bufs = gather_for_ranks(pages, [1], 2, 4, layout)
+    assert [b.shape[0] for b in bufs] == [1, 1, 0, 0]
+    assert torch.equal(bufs[1][0], _token_kv(pages, layout, [1], 1))
+    assert [b.shape[0] for b in gather_for_ranks(pages, [], 0, 2, layout)] == [0, 0]
+
+
+def test_validation_errors():
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=2, stages=2)
+    pages = allocate_pages(layout, 4)
+    with pytest.raises(ValueError, match="block table"):
+        gather_for_ranks(pages, [0, 1], 33, 2, layout)
+    with pytest.raises(ValueError, match="out of range"):
+        gather_for_ranks(pages, [0, 4], 20, 2, layout)
+    with pytest.raises(ValueError, match="cp"):
+        gather_for_ranks(pages, [0], 3, 0, layout)
+    with pytest.raises(ValueError, match="stage pages"):
+        gather_for_ranks(pages[:1], [0], 3, 1, layout)
+    with pytest.raises(ValueError, match="stage 1 pages"):
+        gather_for_ranks([pages[0], pages[0]], [0], 3, 1, layout)
+    with pytest.raises(ValueError, match="outs"):
+        gather_for_ranks(pages, [0], 3, 1, layout, outs=[torch.empty(5)])
+    with pytest.raises(ValueError, match="duplicate"):
+        unpack_chunk(pack_chunk(pages[0], [0, 1]), pages[0], [2, 2])
+    with pytest.raises(ValueError, match="numel"):
+        unpack_chunk(torch.empty(3), pages[0], [2])
+    with pytest.raises(ValueError, match="expected pages"):
+        pack_chunk(torch.empty(4, 2, 2, 16), [0])
+    (dpages,) = allocate_pages(KVLayout(3, 1, 2), 4)
+    with pytest.raises(ValueError, match="numel"):
+        scatter_from_rank(torch.empty(5, 3, 2, 1, 2), dpages, [0], 6)
+    with pytest.raises(ValueError, match="dtype"):
+        scatter_from_rank(torch.empty(5, 3, 2, 1, 2, dtype=torch.bfloat16), dpages, [0], 5)
+    with pytest.raises(ValueError, match="block table"):
+        scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0], 17)
+    with pytest.raises(ValueError, match="duplicate"):
+        scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0, 0], 17)
+
+
+def test_dispatch_default_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    k = get_kv_kernels("cpu")
+    assert k.name == "reference" and k.pack_chunk is pack_chunk
+    assert get_kv_kernels(torch.device("cpu")) is k
+    assert kernels.available_backends("cpu") == ["reference"]
+
+
+def test_dispatch_env_override(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")
+    assert get_kv_kernels("cpu").name == "reference"
+    monkeypatch.setenv(kernels.ENV_VAR, "nope")
+    with pytest.raises(ValueError, match="unknown"):
+        get_kv_kernels("cpu")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    with pytest.raises(ValueError, match="does not serve"):
+        get_kv_kernels("cpu")
+
+
+def test_dispatch_unavailable_backend_is_never_imported(monkeypatch):
+    import sys
+    kernels.register_backend("fake", "kernels._no_such_backend", ("cpu",), lambda: False)
+    try:
+        monkeypatch.setenv(kernels.ENV_VAR, "fake")
+        with pytest.raises(ValueError, match="not available"):
+            get_kv_kernels("cpu")
+        monkeypatch.delenv(kernels.ENV_VAR)
+        assert get_kv_kernels("cpu").name == "reference"
+        assert "kernels._no_such_backend" not in sys.modules
+        assert "triton" not in sys.modules and "aiter" not in sys.modules
+    finally:
+        kernels._REGISTRY.pop("fake")

@@ -74,7 +74,32 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.config.num_blocks * self.layout.block_size
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    retain_kv: bool = False) -> Sequence:
+        self._validate(request_id, prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def adopt_prefilled(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                        params: SamplingParams, block_table: list[int]) -> Sequence:
+        """Continue a request whose KV arrived from elsewhere (a handoff): KV of every token but the
+        last output token is already in `block_table`, whose ownership passes to the sequence."""
+        self._validate(request_id, prompt_ids, params)
+        if not output_ids:
+            raise ValueError("a prefilled request carries at least its first output token")
+        seq = Sequence(request_id, list(prompt_ids), params, token_ids=list(prompt_ids) + list(output_ids))
+        seq.num_computed = len(seq.token_ids) - 1
+        if len(block_table) * self.layout.block_size < seq.num_computed:
+            raise ValueError(f"block table holds {len(block_table)} blocks, too few for {seq.num_computed} tokens")
+        seq.block_table = list(block_table)
+        self._register_full_blocks(seq)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} already active")
         if not prompt_ids:

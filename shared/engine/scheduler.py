@@ -123,11 +123,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Release the sequence's ownership of its blocks (they stay cached if registered)."""
+        """Release the sequence's ownership of its blocks (they stay cached if registered), unless
+        it retains them for a caller; an aborted sequence always releases."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_table and not (seq.retain_kv and reason != "abort"):
             self._drop_blocks(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

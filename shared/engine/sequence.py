@@ -35,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None = None
     prompt_logits: torch.Tensor | None = None  # logits that chose the first token (when recorded)
     num_preemptions: int = 0
+    # When set, finishing hands the block table's ownership to the caller (e.g. a handoff still
+    # reading it) instead of releasing it; the caller must release it.
+    retain_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

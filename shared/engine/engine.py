@@ -18,7 +18,7 @@ from shared.engine.model import LlamaModel
 from shared.engine.models import LoadedModel
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams, sample
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import EngineStats, Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.stopping import check_stop
 from shared.hashing import namespace_seed
@@ -71,6 +71,10 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
 
     @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.config.num_blocks * self.layout.block_size
 
@@ -114,10 +118,6 @@ class Engine:
         if total > self.kv_capacity_tokens:
             raise ValueError(f"prompt plus max_tokens ({total}) exceeds this engine's KV capacity "
                              f"({self.kv_capacity_tokens} tokens)")
-        seq = Sequence(request_id, list(prompt_ids), params)
-        self.sequences[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -18,6 +18,17 @@ from shared.engine.sequence import Sequence, SeqStatus
 
 
 @dataclass
+class EngineStats:
+    """Cumulative counters; tests use them to prove a cache hit skipped compute."""
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    device_cached_tokens: int = 0  # prompt tokens taken from the device prefix cache at admission
+    preemptions: int = 0
+
+
+@dataclass
 class ScheduledBatch:
     is_prefill: bool
     seqs: list[Sequence]
@@ -34,6 +45,7 @@ class Scheduler:
         self.enable_prefix_cache = enable_prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stats = EngineStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -43,9 +55,15 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         batch = self._schedule_prefill()
-        if batch.seqs:
-            return batch
-        return self._schedule_decode()
+        if not batch.seqs:
+            batch = self._schedule_decode()
+        if batch is not None:
+            st, n = self.stats, sum(batch.num_tokens)
+            if batch.is_prefill:
+                st.prefill_steps, st.prefill_tokens_computed = st.prefill_steps + 1, st.prefill_tokens_computed + n
+            else:
+                st.decode_steps, st.decode_tokens_computed = st.decode_steps + 1, st.decode_tokens_computed + n
+        return batch
 
     def _schedule_prefill(self) -> ScheduledBatch:
         batch = ScheduledBatch(True, [], [])
@@ -99,6 +117,7 @@ class Scheduler:
             seq.num_registered_blocks = len(match.block_ids)
             if seq.num_preemptions == 0:
                 seq.num_device_cached = match.num_tokens
+                self.stats.device_cached_tokens += match.num_tokens
 
     def _try_grow(self, seq: Sequence, n: int) -> bool:
         """Make room for n more computed tokens; False (nothing changed) if blocks ran out."""
@@ -120,6 +139,7 @@ class Scheduler:
         self._drop_blocks(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.stats.preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

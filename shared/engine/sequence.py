@@ -16,7 +16,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests are never "equal"
 class Sequence:
     request_id: str
     prompt_ids: list[int]

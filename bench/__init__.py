@@ -1,0 +1,1 @@
+"""Reproducible benchmarks (not part of the installed package): run from the repository root."""

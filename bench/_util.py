@@ -1,0 +1,104 @@
+"""Helpers for bench/engine.py: machine info, timing, markdown tables and the PNG plot."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def machine_info() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def time_calls(fn: Callable[[], object], budget_s: float, min_iters: int, max_iters: int) -> dict:
+    """One warm-up call, then enough timed calls to fill ~budget_s (clamped); perf_counter seconds."""
+    t0 = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - t0
+    iters = max(min_iters, min(max_iters, int(budget_s / max(warm, 1e-6))))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"iters": iters, "median_s": statistics.median(times), "min_s": min(times)}
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:,.3g}" if abs(x) < 100 else f"{x:,.0f}"
+        return str(x)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    fig.suptitle(f"moorage engine benchmark ({'quick' if result['params']['quick'] else 'full'}) - "
+                 f"torch {result['machine']['torch']}, {result['machine']['torch_threads']} threads, "
+                 f"{result['machine']['date']}", fontsize=11)
+
+    ax = axes[0][0]
+    pre = result["prefill"]
+    labels = [f"{p['model']}\n{p['prompt_tokens']} tok\n{p['mode']}" for p in pre]
+    vals = [p["median_tok_per_s"] for p in pre]
+    bars = ax.bar(range(len(pre)), vals, color=["C0" if p["model"] != "tiny" else "C1" for p in pre])
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(pre)), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("prefill tokens/s (median, log)")
+    ax.set_title("Prefill throughput (1 output token)")
+
+    ax = axes[0][1]
+    for i, model in enumerate(dict.fromkeys(d["model"] for d in result["decode"])):
+        rows = [d for d in result["decode"] if d["model"] == model]
+        ax.plot([d["batch"] for d in rows], [d["tok_per_s"] for d in rows], "o-", color=f"C{i}", label=model)
+        for d in rows:
+            ax.annotate(f"{d['tok_per_s']:.0f}", (d["batch"], d["tok_per_s"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([d["batch"] for d in result["decode"]], [str(d["batch"]) for d in result["decode"]])
+    ax.set_xlabel("batch (concurrent sequences)")
+    ax.set_ylabel("decode tokens/s (log)")
+    ax.set_title("Decode throughput vs batch")
+    ax.legend()
+
+    for ax, names, title in ((axes[1][0], ("pack_chunk", "unpack_chunk"), "Chunk pack/unpack (256 tokens, 1 stage)"),
+                             (axes[1][1], ("gather_for_ranks", "scatter_from_rank"), "Handoff gather/scatter")):
+        ks = [k for k in result["kernels"] if k["kernel"] in names]
+        x = range(len(ks))
+        w = 0.4
+        ax.bar([i - w / 2 for i in x], [k["GBps"] for k in ks], w, label=f"kernel ({result['kernel_backend']})")
+        ax.bar([i + w / 2 for i in x], [k["copy_GBps"] for k in ks], w, label="torch copy_ (same bytes)")
+        for i, k in zip(x, ks):
+            ax.annotate(f"{k['ratio_vs_copy']:.2f}x", (i - w / 2, k["GBps"]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x), [k["label"] for k in ks], fontsize=7, rotation=60, ha="right")
+        ax.set_ylabel("GB/s (1e9 B, payload bytes / median time)")
+        ax.set_title(title + "; label = kernel / copy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -19,25 +19,28 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_5m_15m": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
     }
 
 
-def time_calls(fn: Callable[[], object], budget_s: float, min_iters: int, max_iters: int) -> dict:
-    """One warm-up call, then enough timed calls to fill ~budget_s (clamped); perf_counter seconds."""
+def time_calls(fns: list[Callable[[], object]], budget_s: float, min_iters: int, max_iters: int) -> list[dict]:
+    """Time several callables with interleaved iterations (a kernel and its copy baseline then see the same
+    machine load): one warm-up call each, then enough rounds to fill ~budget_s (clamped). perf_counter s."""
     t0 = time.perf_counter()
-    fn()
+    for fn in fns:
+        fn()
     warm = time.perf_counter() - t0
     iters = max(min_iters, min(max_iters, int(budget_s / max(warm, 1e-6))))
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"iters": iters, "median_s": statistics.median(times), "min_s": min(times)}
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [{"iters": iters, "median_s": statistics.median(ts), "min_s": min(ts)} for ts in times]
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
@@ -50,19 +53,41 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def report(r: dict) -> str:
+    m = r["machine"]
+    parts = [f"## moorage engine benchmark ({'quick' if r['params']['quick'] else 'full'})\n",
+             f"torch {m['torch']}, {m['torch_threads']} threads, {m['cpu_count']} CPUs, {m['date']}, "
+             f"kernels: {r['kernel_backend']}\n",
+             md_table(["model", "prompt tok", "max_batched", "mode", "repeats", "median tok/s", "best tok/s", "median s"],
+                      [[x["model"], x["prompt_tokens"], x["max_batched_tokens"], x["mode"], x["repeats"],
+                        x["median_tok_per_s"], x["best_tok_per_s"], x["median_s"]] for x in r["prefill"]]), "",
+             md_table(["model", "batch", "decode steps", "tokens", "tok/s", "ms/step", "tok/s/seq"],
+                      [[x["model"], x["batch"], x["decode_steps"], x["generated_tokens"], x["tok_per_s"],
+                        x["ms_per_step"], x["tok_per_s_per_seq"]] for x in r["decode"]]), "",
+             md_table(["model", "kv dtype", "L x H_kv x D", "bytes/token", "MiB per 8K tokens"],
+                      [[x["model"], x["kv_dtype"], f"{x['layers']}x{x['kv_heads']}x{x['head_dim']}",
+                        x["bytes_per_token"], x["MiB_per_8K_tokens"]] for x in r["kv_bytes_per_token"]]), "",
+             md_table(["kernel case", "MB", "iters", "kernel GB/s median (best)", "copy GB/s median (best)",
+                       "ratio (median)"],
+                      [[x["label"], x["bytes"] / 1e6, x["iters"], f"{x['GBps']:.3g} ({x['best_GBps']:.3g})",
+                        f"{x['copy_GBps']:.3g} ({x['copy_best_GBps']:.3g})", x["ratio_vs_copy"]]
+                       for x in r["kernels"]])]
+    return "\n".join(parts + ["", "Notes: " + "; ".join(r["notes"])])
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    fig, axes = plt.subplots(2, 2, figsize=(17, 11))
     fig.suptitle(f"moorage engine benchmark ({'quick' if result['params']['quick'] else 'full'}) - "
                  f"torch {result['machine']['torch']}, {result['machine']['torch_threads']} threads, "
                  f"{result['machine']['date']}", fontsize=11)
 
     ax = axes[0][0]
     pre = result["prefill"]
-    labels = [f"{p['model']}\n{p['prompt_tokens']} tok\n{p['mode']}" for p in pre]
+    labels = [f"{p['model']}\n{p['prompt_tokens']} tok\nmbt {p['max_batched_tokens']}\n{p['mode']}" for p in pre]
     vals = [p["median_tok_per_s"] for p in pre]
     bars = ax.bar(range(len(pre)), vals, color=["C0" if p["model"] != "tiny" else "C1" for p in pre])
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
@@ -86,7 +111,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_title("Decode throughput vs batch")
     ax.legend()
 
-    for ax, names, title in ((axes[1][0], ("pack_chunk", "unpack_chunk"), "Chunk pack/unpack (256 tokens, 1 stage)"),
+    for ax, names, title in ((axes[1][0], ("pack_chunk", "unpack_chunk"), "Chunk pack/unpack (256 tokens of stage 0, stN = N stages)"),
                              (axes[1][1], ("gather_for_ranks", "scatter_from_rank"), "Handoff gather/scatter")):
         ks = [k for k in result["kernels"] if k["kernel"] in names]
         x = range(len(ks))

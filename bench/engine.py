@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench._util import machine_info, md_table, plot, time_calls
+from bench._util import machine_info, plot, report, time_calls
 from kernels import get_kv_kernels
 from kernels.reference import rank_num_tokens
 from shared.engine.engine import Engine, EngineConfig
@@ -46,33 +47,22 @@ FULL = dict(prefill=[(SMOL, 2048, 2048, 3), (SMOL, 2048, 512, 3), (SMOL, 8191, 2
             decode_batches=[1, 8, 32], decode_prompt_tokens=64, decode_max_tokens=32,
             kernel_tokens=[2048, 8192], kernel_cps=[1, 2, 4], kernel_pool_blocks=512,
             kernel_budget_s=0.5, kernel_min_iters=5, kernel_max_iters=50)
-QUICK = dict(prefill=[(SMOL, 512, 512, 1), (SMOL, 512, 128, 1), ("tiny", 512, 512, 1), ("tiny", 512, 128, 1)],
-             decode_batches=[1, 4], decode_prompt_tokens=32, decode_max_tokens=8,
+QUICK = dict(prefill=[(SMOL, 256, 256, 1), (SMOL, 256, 128, 1), ("tiny", 512, 512, 1), ("tiny", 512, 128, 1)],
+             decode_batches=[1, 4], decode_prompt_tokens=32, decode_max_tokens=5,
              kernel_tokens=[512], kernel_cps=[1, 2], kernel_pool_blocks=64,
              kernel_budget_s=0.05, kernel_min_iters=2, kernel_max_iters=10)
-NOTES: list[str] = []
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def tok(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def random_ids(g: torch.Generator, vocab: int, n: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def add(engine: Engine, rid: str, prompt: list[int], params: SamplingParams):
-    """engine.add_request, dropping any second queue entry for the same request (shared/engine/engine.py
-    at 211f5a0 enqueues a request twice: _validate still ends with the old add_request body)."""
-    seq = engine.add_request(rid, prompt, params)
-    q = engine.scheduler.waiting
-    kept = [s for s in q if s is seq or s.request_id != rid]
-    if len(kept) != len(q):
-        note = "workaround: Engine.add_request enqueued each request twice; the benchmark drops the duplicate"
-        if note not in NOTES:
-            NOTES.append(note)
-        q.clear(), q.extend(kept)
-    return seq
 
 
 def make_engine(loaded, tokens: int, max_batched_tokens: int, max_num_seqs: int = 32) -> Engine:
@@ -80,7 +70,7 @@ def make_engine(loaded, tokens: int, max_batched_tokens: int, max_num_seqs: int 
                        max_num_seqs=max_num_seqs, enable_prefix_cache=False)
     eng = Engine(loaded, cfg)
     g = torch.Generator().manual_seed(SEED - 1)
-    warm = add(eng, "warmup", random_ids(g, loaded.config.vocab_size, 32), SamplingParams(max_tokens=2, ignore_eos=True))
+    warm = eng.add_request("warmup", random_ids(g, loaded.config.vocab_size, 32), SamplingParams(max_tokens=2, ignore_eos=True))
     while not warm.is_finished:
         eng.step()
     return eng
@@ -91,7 +81,7 @@ def bench_prefill(models: dict, model: str, n: int, mbt: int, repeats: int, g: t
     eng = make_engine(loaded, n + 16, mbt)
     times, steps = [], 0
     for r in range(repeats):
-        seq = add(eng, f"prefill-{r}", random_ids(g, loaded.config.vocab_size, n), SamplingParams(max_tokens=1, ignore_eos=True))
+        seq = eng.add_request(f"prefill-{r}", random_ids(g, loaded.config.vocab_size, n), SamplingParams(max_tokens=1, ignore_eos=True))
         steps = 0
         t0 = time.perf_counter()
         while not seq.is_finished:
@@ -109,19 +99,20 @@ def bench_decode(models: dict, model: str, batch: int, p: dict, g: torch.Generat
     loaded, n, mt = models[model], p["decode_prompt_tokens"], p["decode_max_tokens"]
     eng = make_engine(loaded, batch * (n + mt), max(2048, batch * n), max_num_seqs=batch)
     params = SamplingParams(max_tokens=mt, ignore_eos=True)
-    seqs = [add(eng, f"dec-{i}", random_ids(g, loaded.config.vocab_size, n), params) for i in range(batch)]
+    seqs = [eng.add_request(f"dec-{i}", random_ids(g, loaded.config.vocab_size, n), params) for i in range(batch)]
     prefill_steps = 0
     while any(not s.output_ids for s in seqs):  # untimed: every prompt computed, first token sampled
         eng.step()
         prefill_steps += 1
     steps = tokens = 0
+    prefill_steps_before = eng.stats.prefill_steps
     t0 = time.perf_counter()
     while eng.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in eng.step())
         steps += 1
     dt = time.perf_counter() - t0
     assert tokens == batch * (mt - 1) and steps == mt - 1, (tokens, steps)
-    assert sum(s.num_preemptions for s in seqs) == 0
+    assert eng.stats.prefill_steps == prefill_steps_before and eng.stats.preemptions == 0  # pure decode
     return {"model": model, "batch": batch, "prompt_tokens": n, "max_tokens": mt, "prefill_steps": prefill_steps,
             "decode_steps": steps, "generated_tokens": tokens, "time_s": dt, "tok_per_s": tokens / dt,
             "ms_per_step": 1e3 * dt / steps, "tok_per_s_per_seq": tokens / dt / batch}
@@ -140,24 +131,22 @@ def kv_bytes(models: dict) -> list[dict]:
 
 
 def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
-    K, g, rows, copies = get_kv_kernels("cpu"), torch.Generator().manual_seed(SEED + 1), [], {}
+    K, g, rows = get_kv_kernels("cpu"), torch.Generator().manual_seed(SEED + 1), []
     timing = (p["kernel_budget_s"], p["kernel_min_iters"], p["kernel_max_iters"])
 
     def record(kernel, label, dtype, nbytes, fn, **extra):
-        if (nbytes, dtype) not in copies:  # plain contiguous copy of identical byte size, same run
-            src = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
-            dst = torch.empty_like(src)
-            copies[(nbytes, dtype)] = time_calls(lambda: dst.copy_(src), *timing)
-            del src, dst
-        k, c = time_calls(fn, *timing), copies[(nbytes, dtype)]
+        src = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+        dst = torch.empty_like(src)  # plain contiguous copy of identical byte size, interleaved with the kernel
+        k, c = time_calls([fn, lambda: dst.copy_(src)], *timing)
         gbps, cgbps = nbytes / k["median_s"] / 1e9, nbytes / c["median_s"] / 1e9
         rows.append({"kernel": kernel, "label": label, "kv_dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
-                     "iters": k["iters"], "median_s": k["median_s"], "GBps": gbps, "copy_iters": c["iters"],
-                     "copy_median_s": c["median_s"], "copy_GBps": cgbps, "ratio_vs_copy": gbps / cgbps, **extra})
+                     "iters": k["iters"], "median_s": k["median_s"], "min_s": k["min_s"], "GBps": gbps,
+                     "best_GBps": nbytes / k["min_s"] / 1e9, "copy_median_s": c["median_s"], "copy_GBps": cgbps,
+                     "copy_best_GBps": nbytes / c["min_s"] / 1e9, "ratio_vs_copy": gbps / cgbps, **extra})
         log(f"  {label}: {gbps:.2f} GB/s (copy {cgbps:.2f})")
 
     L, H, D = smol_cfg.num_layers, smol_cfg.num_kv_heads, smol_cfg.head_dim
-    for dname, dtype in DTYPES.items():
+    for dtype in DTYPES.values():
         short = "f32" if dtype == torch.float32 else "bf16"
         for stages in (1, 2):  # one 256-token chunk (16 blocks) of stage 0, random block ids in a pool
             lay = KVLayout(L, H, D, dtype=dtype, stages=stages)
@@ -177,11 +166,11 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
             table = torch.randperm(nb, generator=g)
             for cp in p["kernel_cps"]:
                 outs = [torch.empty(rank_num_tokens(n, cp, r) * row, dtype=dtype) for r in range(cp)]
-                record("gather_for_ranks", f"gather {short} {n // 1024}K cp{cp}", dtype, n * lay.bytes_per_token,
+                record("gather_for_ranks", f"gather {short} {tok(n)} cp{cp}", dtype, n * lay.bytes_per_token,
                        lambda: K.gather_for_ranks(pages, table, n, cp, lay, outs=outs), tokens=n, cp=cp, stages=1)
                 t_r = rank_num_tokens(n, cp, 0)  # rank 0 holds the most tokens
                 rpages, rtable = allocate_pages(lay, -(-t_r // 16))[0], torch.randperm(-(-t_r // 16), generator=g)
-                record("scatter_from_rank", f"scatter {short} {n // 1024}K cp{cp}", dtype, t_r * lay.bytes_per_token,
+                record("scatter_from_rank", f"scatter {short} {tok(n)} cp{cp}", dtype, t_r * lay.bytes_per_token,
                        lambda: K.scatter_from_rank(outs[0], rpages, rtable, t_r), tokens=n, cp=cp, rank_tokens=t_r)
                 del outs, rpages
             del pages
@@ -197,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    p = QUICK if args.quick else FULL
+    p, info = (QUICK if args.quick else FULL), machine_info()
     t_start = time.perf_counter()
     log("loading models")
     models = {SMOL: load_model(SMOL), "tiny": load_model("tiny")}
@@ -216,13 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     backend, kernels = bench_kernels(models[SMOL].config, p)
     result = {
         "command": "python -m bench.engine" + (" --quick" if args.quick else "") + f" --out {args.out}",
-        "machine": machine_info(), "kernel_backend": backend,
+        "machine": info, "kernel_backend": backend,
         "params": {"quick": args.quick, "seed": SEED, "compute_dtype": "float32", "engine_kv_dtype": "float32",
                    "enable_prefix_cache": False, "block_size": 16, **p},
         "units": {"*_s": "seconds (time.perf_counter)", "*tok_per_s": "tokens/second", "bytes*": "bytes",
                   "GBps": "1e9 bytes/second of payload", "ratio_vs_copy": "kernel GBps / copy GBps",
                   "ms_per_step": "milliseconds per engine step"},
-        "notes": NOTES + [
+        "notes": [
             "prefill time = add_request until the single output token (max_tokens=1, ignore_eos), after one warm-up request",
             "repeats: 3 for 2K prompts (median and best reported), 1 for 8K/16K; quick: 1",
             "with max_batched_tokens=2048 a 2048-token prompt runs in one step (= one-shot); the 512-token "
@@ -234,32 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         "prefill": prefill, "decode": decode, "kv_bytes_per_token": kv_bytes(models), "kernels": kernels,
     }
     result["total_wall_s"] = time.perf_counter() - t_start
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, str(out.with_suffix(".png")))
     print(report(result))
     print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
-
-
-def report(r: dict) -> str:
-    m = r["machine"]
-    parts = [f"## moorage engine benchmark ({'quick' if r['params']['quick'] else 'full'})\n",
-             f"torch {m['torch']}, {m['torch_threads']} threads, {m['cpu_count']} CPUs, {m['date']}, "
-             f"kernels: {r['kernel_backend']}\n",
-             md_table(["model", "prompt tok", "max_batched", "mode", "repeats", "median tok/s", "best tok/s", "median s"],
-                      [[x["model"], x["prompt_tokens"], x["max_batched_tokens"], x["mode"], x["repeats"],
-                        x["median_tok_per_s"], x["best_tok_per_s"], x["median_s"]] for x in r["prefill"]]), "",
-             md_table(["model", "batch", "decode steps", "tokens", "tok/s", "ms/step", "tok/s/seq"],
-                      [[x["model"], x["batch"], x["decode_steps"], x["generated_tokens"], x["tok_per_s"],
-                        x["ms_per_step"], x["tok_per_s_per_seq"]] for x in r["decode"]]), "",
-             md_table(["model", "kv dtype", "L x H_kv x D", "bytes/token", "MiB per 8K tokens"],
-                      [[x["model"], x["kv_dtype"], f"{x['layers']}x{x['kv_heads']}x{x['head_dim']}",
-                        x["bytes_per_token"], x["MiB_per_8K_tokens"]] for x in r["kv_bytes_per_token"]]), "",
-             md_table(["kernel case", "MB", "kernel GB/s", "copy GB/s", "ratio"],
-                      [[x["label"], x["bytes"] / 1e6, x["GBps"], x["copy_GBps"], x["ratio_vs_copy"]]
-                       for x in r["kernels"]])]
-    return "\n".join(parts + ["", "Notes: " + "; ".join(r["notes"])])
 
 
 if __name__ == "__main__":

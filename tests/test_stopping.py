@@ -58,7 +58,7 @@ def test_ignore_eos_keeps_going_until_length():
 def test_stop_token_ids():
     seq, reason, _, n = feed(b("abcxyz"), SamplingParams(max_tokens=50, stop_token_ids=(ord("x"),)))
     assert reason == "stop" and n == 4
-    assert seq.output_text.startswith("abc")
+    assert seq.output_text == "abc"  # the stop token ends the request but is not shown (as in vLLM)
 
 
 def test_stop_token_id_works_even_with_ignore_eos():

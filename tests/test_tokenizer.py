@@ -106,9 +106,6 @@ def test_bad_messages_raise_value_error(byte_tok, messages):
         byte_tok.chat_token_ids(messages)
 
 
-@pytest.mark.xfail(raises=AttributeError,
-                   reason="render_chat calls m.get() on non-dict messages: AttributeError, not ValueError",
-                   strict=False)
 @pytest.mark.parametrize("messages", [["just a string"], [None], [("user", "hi")]])
 def test_non_dict_messages_raise_value_error(byte_tok, messages):
     with pytest.raises(ValueError):

@@ -86,7 +86,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, base = int(parts[1]), parts[2]
-            if base not in _LAYER_NAMES:
+            if base not in _LAYER_NAMES or parts[3:] != ["weight"]:
                 raise ValueError(f"unexpected GGUF tensor {t.name}")
             arr = _tensor_to_numpy(t)
             if base == "attn_q":

@@ -14,10 +14,11 @@ from shared.engine.tokenizer import Tokenizer
 def check_stop(seq: Sequence, tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> str | None:
     """Updates seq.output_text with what may be shown; returns the finish reason, if any."""
     p, token = seq.params, seq.token_ids[-1]
-    text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
     reason = None
+    shown_ids = seq.output_ids
     if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-        reason = "stop"
+        reason, shown_ids = "stop", shown_ids[:-1]  # the stopping token counts but is not shown
+    text = tokenizer.decode(shown_ids, skip_special_tokens=True)
     if p.stop:
         # only the newly decoded tail (plus overlap) can hold a stop string that was not there before
         search_from = max(0, len(seq.output_text) - max(len(s) for s in p.stop))

@@ -45,7 +45,7 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string 'role' and a string 'content'")
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
 

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.models import LoadedModel, load_model
+# Models are imported lazily: service tests that never touch torch start in milliseconds.
 
 
 @pytest.fixture(scope="session")
-def tiny() -> LoadedModel:
+def tiny():
+    from shared.engine.models import load_model
+
     return load_model("tiny")
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedModel:
+def smollm2():
+    from shared.engine.models import load_model
+
     return load_model("smollm2-135m")
 
 
 @pytest.fixture
-def model(request) -> LoadedModel:
+def model(request):
     """Indirect parametrization: `@pytest.mark.parametrize("model", ["tiny", "smollm2"], indirect=True)`."""
     return request.getfixturevalue(request.param)

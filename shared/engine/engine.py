@@ -8,6 +8,7 @@ only when its last owner lets go.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class EngineConfig:
+    model: str = "smollm2-135m"       # what services load (`Engine` itself takes a loaded model)
     num_blocks: int = 1024            # KV capacity = num_blocks * block_size tokens
     stages: int = 1                   # pipeline stages the KV pool is split into
     max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
@@ -69,6 +71,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
+        self.stalled = False
 
     @property
     def stats(self) -> EngineStats:
@@ -79,17 +82,21 @@ class Engine:
         return self.config.num_blocks * self.layout.block_size
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    retain_kv: bool = False) -> Sequence:
+                    retain_kv: bool = False, prefill_only: bool = False) -> Sequence:
+        """Queue a request. `retain_kv`: on finish its block table passes to the caller. `prefill_only`:
+        finish after the first token; if that token did not end the request, the reason is
+        "prefilled" and the block table passes to the caller (for the handoff)."""
         self._validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv)
+        seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def adopt_prefilled(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
-                        params: SamplingParams, block_table: list[int]) -> Sequence:
+                        params: SamplingParams, block_table: list[int], shown_text: str = "") -> Sequence:
         """Continue a request whose KV arrived from elsewhere (a handoff): KV of every token but the
-        last output token is already in `block_table`, whose ownership passes to the sequence."""
+        last output token is already in `block_table`, whose ownership passes to the sequence.
+        `shown_text` is what the client has already been sent, so deltas continue from it."""
         self._validate(request_id, prompt_ids, params)
         if not output_ids:
             raise ValueError("a prefilled request carries at least its first output token")
@@ -98,6 +105,7 @@ class Engine:
         if len(block_table) * self.layout.block_size < seq.num_computed:
             raise ValueError(f"block table holds {len(block_table)} blocks, too few for {seq.num_computed} tokens")
         seq.block_table = list(block_table)
+        seq.output_text = shown_text
         self._register_full_blocks(seq)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -129,9 +137,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.stalled = batch is None and self.scheduler.has_work()  # waiting for blocks held elsewhere
         if batch is None:
-            if self.scheduler.has_work():
-                raise RuntimeError("engine stalled: no KV blocks free for any waiting request")
             return []
         samplers, logits = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -140,14 +147,18 @@ class Engine:
         if not samplers:
             return []
         seqs = [batch.seqs[i] for i in samplers]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.next_generator() for s in seqs])
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            if self.config.record_prompt_logits and not seq.output_ids:
-                seq.prompt_logits = logits[row].clone()
+            if not seq.output_ids:
+                seq.first_token_ns = time.time_ns()
+                if self.config.record_prompt_logits:
+                    seq.prompt_logits = logits[row].clone()
             seq.token_ids.append(token)
             old_text = seq.output_text
             reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
+            if reason is None and seq.prefill_only:
+                reason = "prefilled"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.sequences.pop(seq.request_id, None)
@@ -170,4 +181,6 @@ class Engine:
         seqs = [self.add_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         while any(not s.is_finished for s in seqs):
             self.step()
+            if self.stalled:
+                raise RuntimeError("engine stalled: no KV blocks free for any waiting request")
         return seqs

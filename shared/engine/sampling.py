@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -32,12 +33,38 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator | None:
-        """A generator owned by one request, so its samples do not depend on batch neighbours."""
+    def with_resolved_seed(self) -> "SamplingParams":
+        """Random sampling without a seed gets one now, so every later draw is reproducible."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def make_generator(self, position: int = 0) -> torch.Generator | None:
+        """The generator for output token `position`. Seeded by (seed, position), not by history,
+        so a token sampled on prefill and the next ones sampled on decode form one stream, and a
+        request's samples never depend on its batch neighbours."""
         if self.greedy:
             return None
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return torch.Generator().manual_seed(seed)
+        mixed = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(mixed, "little") >> 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """From a bus message or API layer; raises ValueError on unknown keys or bad values."""
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown sampling fields {sorted(unknown)}")
+        d = dict(d)
+        for key in ("stop", "stop_token_ids"):
+            if key in d:
+                d[key] = tuple(d[key] or ())
+        return cls(**d)
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -10,6 +10,7 @@ the prefix cache. Nothing here touches tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class Scheduler:
                 self._drop_blocks(seq)  # retry later, when blocks are free
                 break
             self.waiting.popleft()
+            seq.first_scheduled_ns = seq.first_scheduled_ns or time.time_ns()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq), batch.num_tokens.append(n)
@@ -143,12 +145,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Release the sequence's ownership of its blocks (they stay cached if registered), unless
-        it retains them for a caller; an aborted sequence always releases."""
+        """Release the sequence's ownership of its blocks (they stay cached if registered), unless a
+        caller takes them over: `retain_kv`, or a prefill-only sequence finishing "prefilled" (its KV
+        is about to be handed off). An aborted sequence always releases."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table and not (seq.retain_kv and reason != "abort"):
+        keep = reason != "abort" and (seq.retain_kv or (seq.prefill_only and reason == "prefilled"))
+        if seq.block_table and not keep:
             self._drop_blocks(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,17 +33,26 @@ class Sequence:
     num_device_cached: int = 0
     output_text: str = ""
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     prompt_logits: torch.Tensor | None = None  # logits that chose the first token (when recorded)
     num_preemptions: int = 0
     # When set, finishing hands the block table's ownership to the caller (e.g. a handoff still
     # reading it) instead of releasing it; the caller must release it.
     retain_kv: bool = False
+    # Prefill instances stop a request after its first token (finish reason "prefilled") and hand
+    # its KV to decode; implies retain_kv.
+    prefill_only: bool = False
+    # Wall-clock marks (ns) for traces: queued -> first scheduled -> first token.
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-        self.generator = self.params.make_generator()
+        self.params = self.params.with_resolved_seed()
+
+    def next_generator(self) -> torch.Generator | None:
+        return self.params.make_generator(len(self.output_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

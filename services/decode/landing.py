@@ -1,0 +1,111 @@
+"""Decode's side of the KV handoff: landing slots in, scatter into pages, adopt the request.
+
+A request's landing owns the KV blocks allocated for its prompt (reserved by the gate's admission)
+until `HandoffDone` passes them to the engine, or until it is cancelled or idles past the timeout;
+then they are released. Slots are credits: each is returned as soon as its bytes are scattered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kernels import get_kv_kernels
+from shared.engine.block_manager import OutOfBlocks
+from shared.engine.engine import Engine
+from shared.engine.loop import EngineLoop
+from shared.messages import Ack, SlotGrant, SlotRequest, SlotsFilled
+from shared.transfer import LandingSlots
+
+
+@dataclass
+class Landing:
+    blocks: list[int]
+    num_tokens: int
+    total_bytes: int
+    received: set[int] = field(default_factory=set)  # byte offsets of windows that landed
+    received_bytes: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+
+
+class LandingZone:
+    def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str):
+        self.engine, self.loop, self.slots, self.endpoint = engine, loop, slots, endpoint
+        self.layout = engine.layout
+        self.token_bytes = self.layout.bytes_per_token
+        self.kernels = get_kv_kernels(engine.pages[0].device)
+        self.landings: dict[str, Landing] = {}
+
+    async def grant(self, msg: SlotRequest, raw=None) -> SlotGrant:
+        rid = msg.request_id
+        landing = self.landings.get(rid)
+        if landing is None:
+            if msg.total_bytes != msg.num_tokens * self.token_bytes:
+                return SlotGrant(rid, error=f"fatal: KV layout mismatch: {msg.total_bytes} bytes for "
+                                            f"{msg.num_tokens} tokens, expected {self.token_bytes} per token")
+            n_blocks = -(-msg.num_tokens // self.layout.block_size)
+            try:
+                blocks = await self.loop.call(lambda: self.engine.block_manager.allocate(n_blocks))
+            except OutOfBlocks:
+                return SlotGrant(rid, error="no free KV blocks yet")
+            landing = self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
+        landing.last_activity = time.monotonic()
+        slots = self.slots.acquire(max(0, msg.max_slots), owner=rid)
+        return SlotGrant(rid, self.endpoint, [[s.slot_id, s.addr, s.nbytes] for s in slots])
+
+    async def filled(self, msg: SlotsFilled, raw=None) -> Ack:
+        rid = msg.request_id
+        landing = self.landings.get(rid)
+        if landing is None:
+            self.slots.release_owner(rid)
+            return Ack(rid, False, "unknown or cancelled request")
+        t = time.perf_counter()
+        B = self.layout.block_size
+        try:
+            for slot_id, offset, nbytes in msg.pieces:
+                if slot_id not in self.slots.held_by(rid) or offset % (B * self.token_bytes) \
+                        or nbytes % self.token_bytes or offset + nbytes > landing.total_bytes:
+                    raise ValueError(f"bad piece {slot_id, offset, nbytes}")
+                start, n = offset // self.token_bytes, nbytes // self.token_bytes
+                buf = self.slots.view(slot_id, nbytes).view(self.layout.dtype)
+                await self.loop.run_in_worker(lambda: self.kernels.scatter_from_rank(
+                    buf, self.engine.pages[0], landing.blocks[start // B:], n))
+                if offset not in landing.received:
+                    landing.received.add(offset)
+                    landing.received_bytes += nbytes
+        except ValueError as e:
+            return Ack(rid, False, str(e))
+        finally:
+            self.slots.release([p[0] for p in msg.pieces], owner=rid)
+        landing.last_activity = time.monotonic()
+        return Ack(rid, True, stats={"scatter_ms": (time.perf_counter() - t) * 1e3})
+
+    def take(self, rid: str) -> Landing:
+        """Hand a complete landing's blocks to the caller (the engine adopts them)."""
+        landing = self.landings.get(rid)
+        if landing is None:
+            raise KeyError(rid)
+        if landing.received_bytes != landing.total_bytes:
+            raise ValueError(f"incomplete KV: {landing.received_bytes} of {landing.total_bytes} bytes landed")
+        self.slots.release_owner(rid)
+        return self.landings.pop(rid)
+
+    async def drop(self, rid: str) -> bool:
+        """Cancel: free the slots and blocks of a landing in progress."""
+        self.slots.release_owner(rid)
+        landing = self.landings.pop(rid, None)
+        if landing is not None:
+            await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))
+        return landing is not None
+
+    async def expire(self, timeout_s: float) -> list[str]:
+        now = time.monotonic()
+        stale = [rid for rid, l in self.landings.items() if now - l.last_activity > timeout_s]
+        for rid in stale:
+            await self.drop(rid)
+        return stale
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(len(l.blocks) for l in self.landings.values()) * self.layout.block_size
+

@@ -1,0 +1,143 @@
+"""Decode instance: lands handed-off KV, adopts each request into continuous batching, and streams
+tokens to the router. Read `serve` first: config -> engine -> landing slots -> subscriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from services.decode.landing import LandingZone
+from shared.engine.engine import Engine, StepOutput
+from shared.engine.loop import EngineLoop
+from shared.engine.models import load_model
+from shared.engine.sampling import SamplingParams
+from shared.messages import (Ack, Cancel, HandoffDone, LoadReport, SlotGrant, SlotRequest, SlotsFilled,
+                             TokenChunk, error_info, make_usage)
+from shared.service import ServiceContext
+from shared.tracing import get_tracer
+from shared.transfer import LandingSlots
+
+tracer = get_tracer("moorage.decode")
+
+
+@dataclass
+class Active:
+    prompt_tokens: int
+    sources: dict
+    span: object
+    adopted: float
+    first_token_ms: float | None = None
+    tokens: int = 0
+
+
+class DecodeService:
+    def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory):
+        self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
+        self.loop = EngineLoop(engine, self.on_outputs)
+        self.zone: LandingZone = zone_factory(self.loop)
+        self.active: dict[str, Active] = {}
+        self.log = ctx.log
+
+    async def on_landed(self, msg: HandoffDone, raw) -> Ack:
+        rid = msg.request_id
+        try:
+            landing = self.zone.take(rid)
+        except (KeyError, ValueError) as e:
+            await self.zone.drop(rid)
+            return Ack(rid, False, f"cannot adopt: {e}")
+        span = tracer.start_span("decode.generate", context=self.bus.trace_context(raw))
+        span.set_attributes({"request_id": rid, "prompt_tokens": len(msg.prompt_ids)})
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            await self.loop.call(lambda: self.engine.adopt_prefilled(
+                rid, msg.prompt_ids, msg.output_ids, params, landing.blocks, msg.shown_text))
+        except (ValueError, TypeError) as e:
+            await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))
+            span.end()
+            return Ack(rid, False, str(e))
+        self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic())
+        return Ack(rid, True)
+
+    async def on_cancel(self, msg: Cancel, raw) -> None:
+        dropped = await self.zone.drop(msg.request_id)
+        a = self.active.pop(msg.request_id, None)
+        if a is not None:
+            await self.loop.call(lambda: self.engine.abort(msg.request_id))
+            a.span.set_attribute("cancelled", True)
+            a.span.end()
+        if dropped or a is not None:
+            self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
+
+    async def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            a = self.active.get(out.request_id)
+            if a is None:
+                continue
+            a.tokens += len(out.new_token_ids)
+            if a.first_token_ms is None:
+                a.first_token_ms = (time.monotonic() - a.adopted) * 1e3
+            usage = None
+            if out.finished:
+                self.active.pop(out.request_id, None)
+                completion = a.tokens + 1  # plus the first token, sampled by prefill
+                usage = make_usage(a.prompt_tokens, completion, a.sources)
+                a.span.set_attributes({"completion_tokens": completion, "first_token_ms": a.first_token_ms,
+                                       "finish_reason": out.finish_reason or ""})
+                a.span.end()
+            await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
+                out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason, usage))
+
+    async def expire_landings(self) -> None:
+        timeout = self.ctx.config.transfer.timeout_s
+        while not self.ctx.stop.is_set():
+            for rid in await self.zone.expire(timeout):
+                self.log.warning("handoff abandoned: KV freed", request_id=rid)
+                with contextlib.suppress(Exception):
+                    await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
+                        rid, [], "", True, "error", None, error_info(503, "KV handoff timed out")))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctx.stop.wait(), timeout=min(1.0, timeout / 4))
+
+    def load_report(self) -> LoadReport:
+        e = self.engine
+        free = e.block_manager.num_free_blocks * e.layout.block_size
+        return LoadReport(self.ctx.instance, "decode", True, e.kv_capacity_tokens, free,
+                          len(e.scheduler.running), len(e.scheduler.waiting), 0, self.zone.endpoint,
+                          {"landing": len(self.zone.landings), "free_slots": self.zone.slots.num_free,
+                           "preemptions": e.stats.preemptions})
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+        for a in self.active.values():
+            a.span.end()
+
+
+async def serve(ctx: ServiceContext) -> None:
+    cfg = ctx.config
+    loaded = await asyncio.to_thread(load_model, cfg.engine.model)
+    engine = Engine(loaded, cfg.engine)
+    transport = cfg.transfer.make_transport()
+    slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport)
+    svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint))
+    svc.loop.start()
+    s = ctx.bus.subjects
+    await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,
+                            on_error=lambda e, raw: SlotGrant("", error=f"fatal: {e}"))
+    await ctx.bus.subscribe(s.decode_filled(ctx.instance), SlotsFilled, svc.zone.filled,
+                            on_error=lambda e, raw: Ack("", False, str(e)))
+    await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,
+                            on_error=lambda e, raw: Ack("", False, str(e)))
+    await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
+    expiry = asyncio.create_task(svc.expire_landings())
+    ctx.load_report = svc.load_report
+
+    async def close() -> None:
+        expiry.cancel()
+        await svc.stop()
+        slots.close()
+        await asyncio.to_thread(transport.close)
+
+    ctx.on_stop.append(close)

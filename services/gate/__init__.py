@@ -1,0 +1,1 @@
+"""The gate: KV admission per decode instance (see admission.py for the idea, main.py for the wiring)."""

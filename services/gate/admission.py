@@ -1,0 +1,274 @@
+"""KV admission: which decode instance may take a request, and when.
+
+A request needs `prompt_tokens + max_tokens` tokens of KV on the decode instance that will generate it
+(its history plus everything it may still write). The gate promises those tokens before the request
+starts and takes the promise back when it ends, so decode never runs out of KV half way through.
+
+- Each decode instance tells us its KV `capacity_tokens` and `free_tokens` in a load report every
+  second. Its *budget* is `capacity_tokens * budget_fraction`. It is *committed* by
+  `max(sum of our reservations on it, capacity_tokens - free_tokens)`: when decode reports less free
+  KV than our bookkeeping says (a gate restart lost reservations, a request outgrew its estimate),
+  we believe decode.
+- `admit` answers at once with `Admitted(instance)` (reserved on the live instance with the least
+  committed fraction that still fits), `Invalid(reason)` (can never fit: over a configured limit or
+  over the largest budget we know), or `Wait` (queued).
+- The queue is strict FIFO: `drain` admits from the head while the head fits, and a new request
+  queues behind any waiting one, so a big request at the head is never overtaken for ever.
+- `expire` rejects requests that waited `admission_wait_s` (the client retries after
+  `retry_after_s`) and drops reservations older than `reservation_ttl_s` (their router died).
+- `release` ends a reservation (or cancels a waiting request). It is idempotent: a duplicate or
+  unknown id changes nothing and is only counted.
+
+Pure bookkeeping: no clock, no I/O. Every call takes `now` (monotonic seconds) where time matters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from services.gate.config import GateSettings
+
+NO_INSTANCE = "no decode instance available"  # the router maps this rejection to 503, others to 429
+_FINISHED_MEMORY = 65536  # released/expired ids remembered to tell a duplicate release from an unknown one
+
+
+# ---- what admit / drain / expire return ----------------------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    instance: str
+    tokens: int
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Invalid:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    reason: str
+    waited_s: float
+    retry_after_s: float
+
+
+@dataclass
+class Expiry:
+    rejected: list[Rejected] = field(default_factory=list)      # waited too long
+    reservations: list[Reservation] = field(default_factory=list)  # never released: dropped
+
+
+# ---- state -------------------------------------------------------------------------------------
+@dataclass
+class Instance:
+    name: str
+    capacity_tokens: int = 0
+    free_tokens: int = 0
+    budget: int = 0
+    ready: bool = False
+    last_seen: float = 0.0
+    reserved: int = 0  # sum of our reservations on it
+
+    @property
+    def committed(self) -> int:
+        return max(self.reserved, self.capacity_tokens - self.free_tokens)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    instance: str
+    tokens: int
+    admitted_at: float
+
+
+@dataclass(frozen=True)
+class Waiting:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    instance: str | None  # the router's choice, honoured when that instance is live and big enough
+    enqueued_at: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+class Admission:
+    def __init__(self, settings: GateSettings | None = None):
+        self.settings = settings or GateSettings()
+        self.instances: dict[str, Instance] = {}
+        self.reservations: dict[str, Reservation] = {}
+        self.queue: OrderedDict[str, Waiting] = OrderedDict()  # FIFO, indexed by request id
+        self._finished: OrderedDict[str, str] = OrderedDict()  # request id -> "released" | "expired"
+        self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
+                             release_duplicate=0, release_unknown=0)
+
+    # ---- decode instances --------------------------------------------------------------------
+    def report(self, instance: str, capacity_tokens: int, free_tokens: int, ready: bool, now: float) -> None:
+        """A decode load report. `ready=False` (a goodbye) takes the instance out of choice."""
+        inst = self.instances.setdefault(instance, Instance(instance))
+        inst.capacity_tokens = max(0, int(capacity_tokens))
+        inst.free_tokens = min(max(0, int(free_tokens)), inst.capacity_tokens)
+        inst.budget = int(inst.capacity_tokens * self.settings.budget_fraction)
+        inst.ready = bool(ready)
+        inst.last_seen = now
+
+    def live(self, inst: Instance, now: float) -> bool:
+        return inst.ready and inst.budget > 0 and now - inst.last_seen <= self.settings.instance_timeout_s
+
+    def _choose(self, w: Waiting, now: float) -> Instance | None:
+        """The live instance, big enough for w, with the least committed fraction that fits w now."""
+        able = [i for i in self.instances.values() if self.live(i, now) and i.budget >= w.tokens]
+        pinned = [i for i in able if i.name == w.instance]
+        fits = [i for i in (pinned or able) if i.committed + w.tokens <= i.budget]
+        return min(fits, key=lambda i: (i.committed / i.budget, i.name), default=None)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _invalid_reason(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        s = self.settings
+        if prompt_tokens < 1:
+            return f"prompt_tokens must be positive, got {prompt_tokens}"
+        if max_tokens < 0:
+            return f"max_tokens must not be negative, got {max_tokens}"
+        if s.max_input_tokens and prompt_tokens > s.max_input_tokens:
+            return (f"prompt of {prompt_tokens} tokens exceeds the maximum context length for input "
+                    f"(max_input_tokens={s.max_input_tokens})")
+        if s.max_output_tokens and max_tokens > s.max_output_tokens:
+            return f"max_tokens {max_tokens} exceeds max_output_tokens={s.max_output_tokens}"
+        largest = max((i.budget for i in self.instances.values()), default=None)
+        if largest is not None and prompt_tokens + max_tokens > largest:
+            return (f"prompt_tokens + max_tokens = {prompt_tokens + max_tokens} exceeds the maximum context "
+                    f"length of {largest} tokens (the largest decode KV budget: capacity x budget_fraction "
+                    f"{s.budget_fraction})")
+        return None
+
+    def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
+              instance: str | None = None) -> Admitted | Invalid | Wait:
+        """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
+        reserved or waiting returns its current state and reserves nothing more."""
+        if request_id in self.reservations:
+            r = self.reservations[request_id]
+            return Admitted(request_id, r.instance, r.tokens)
+        if request_id in self.queue:
+            return Wait(request_id)
+        reason = self._invalid_reason(prompt_tokens, max_tokens)
+        if reason is not None:
+            self.counters["invalid"] += 1
+            return Invalid(request_id, reason)
+        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now)
+        if not self.queue:  # strict FIFO: nobody overtakes a waiting request
+            inst = self._choose(w, now)
+            if inst is not None:
+                return self._reserve(w, inst, now)
+        self.queue[request_id] = w
+        return Wait(request_id)
+
+    def _reserve(self, w: Waiting, inst: Instance, now: float) -> Admitted:
+        self.reservations[w.request_id] = Reservation(w.request_id, inst.name, w.tokens, now)
+        inst.reserved += w.tokens
+        self._finished.pop(w.request_id, None)
+        self.counters["admitted"] += 1
+        return Admitted(w.request_id, inst.name, w.tokens, now - w.enqueued_at)
+
+    def drain(self, now: float) -> list[Admitted]:
+        """Admit waiting requests in FIFO order while the head fits (call after a release or a report)."""
+        out = []
+        while self.queue:
+            w = next(iter(self.queue.values()))
+            inst = self._choose(w, now)
+            if inst is None:
+                break
+            del self.queue[w.request_id]
+            out.append(self._reserve(w, inst, now))
+        return out
+
+    def expire(self, now: float) -> Expiry:
+        """Reject requests that waited admission_wait_s; drop reservations older than reservation_ttl_s;
+        forget instances silent for reservation_ttl_s that hold nothing."""
+        s, out = self.settings, Expiry()
+        for w in [w for w in self.queue.values() if now - w.enqueued_at >= s.admission_wait_s]:
+            del self.queue[w.request_id]
+            self.counters["rejected"] += 1
+            big_enough = any(self.live(i, now) and i.budget >= w.tokens for i in self.instances.values())
+            reason = (f"no KV budget for {w.tokens} tokens on decode within {s.admission_wait_s:g} s"
+                      if big_enough else NO_INSTANCE)
+            out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at, s.retry_after_s))
+        for r in [r for r in self.reservations.values() if now - r.admitted_at >= s.reservation_ttl_s]:
+            self._drop(r, "expired")
+            self.counters["expired"] += 1
+            out.reservations.append(r)
+        for inst in [i for i in self.instances.values()
+                     if i.reserved == 0 and now - i.last_seen >= s.reservation_ttl_s]:
+            del self.instances[inst.name]
+        return out
+
+    def release(self, request_id: str) -> str:
+        """End a request however it ended. Returns "released" (its reservation is freed), "cancelled"
+        (it was still waiting: the caller answers it), "duplicate" or "unknown" (nothing changes)."""
+        r = self.reservations.get(request_id)
+        if r is not None:
+            self._drop(r, "released")
+            self.counters["released"] += 1
+            return "released"
+        if request_id in self.queue:
+            del self.queue[request_id]
+            self.counters["cancelled"] += 1
+            return "cancelled"
+        if request_id in self._finished:
+            self.counters["release_duplicate"] += 1
+            return "duplicate"
+        self.counters["release_unknown"] += 1
+        return "unknown"
+
+    def _drop(self, r: Reservation, how: str) -> None:
+        del self.reservations[r.request_id]
+        self.instances[r.instance].reserved -= r.tokens
+        self._finished[r.request_id] = how
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    # ---- observability -----------------------------------------------------------------------
+    def stats(self, now: float) -> dict:
+        return {**self.counters, "waiting": len(self.queue), "reservations": len(self.reservations),
+                "live_instances": sum(self.live(i, now) for i in self.instances.values()),
+                "reserved_tokens": {n: i.reserved for n, i in self.instances.items()},
+                "committed_tokens": {n: i.committed for n, i in self.instances.items()},
+                "budget_tokens": {n: i.budget for n, i in self.instances.items()}}
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if the books do not balance."""
+        sums: dict[str, int] = {}
+        for rid, r in self.reservations.items():
+            if rid != r.request_id or r.tokens < 1 or r.instance not in self.instances:
+                raise IntegrityError(f"bad reservation {r}")
+            sums[r.instance] = sums.get(r.instance, 0) + r.tokens
+        for name, inst in self.instances.items():
+            if inst.reserved != sums.get(name, 0):
+                raise IntegrityError(f"{name}: reserved {inst.reserved} != sum of reservations {sums.get(name, 0)}")
+            if min(inst.capacity_tokens, inst.free_tokens, inst.budget, inst.reserved) < 0:
+                raise IntegrityError(f"{name}: negative numbers {inst}")
+            if inst.free_tokens > inst.capacity_tokens or inst.budget > inst.capacity_tokens:
+                raise IntegrityError(f"{name}: free or budget above capacity {inst}")
+        both = self.queue.keys() & self.reservations.keys()
+        if both:
+            raise IntegrityError(f"both waiting and reserved: {sorted(both)}")
+        if any(rid != w.request_id for rid, w in self.queue.items()):
+            raise IntegrityError("queue index out of step")
+        negative = {k: v for k, v in self.counters.items() if v < 0}
+        if negative:
+            raise IntegrityError(f"negative counters {negative}")

@@ -1,0 +1,41 @@
+"""The gate's configuration: `[gate]` holds the admission policy, the rest is what every service has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.bus import BusConfig
+from shared.config import ConfigError
+from shared.service import LogConfig
+from shared.tracing import TracingConfig
+
+
+@dataclass
+class GateSettings:
+    budget_fraction: float = 0.9        # share of a decode instance's KV capacity the gate may promise
+    admission_wait_s: float = 30.0      # longest a request waits for budget before it is rejected (429)
+    max_input_tokens: int = 0           # 0: no limit beyond the decode capacity
+    max_output_tokens: int = 0          # 0: no limit beyond the decode capacity
+    reservation_ttl_s: float = 900.0    # a reservation never released (its router died) expires after this
+    instance_timeout_s: float = 5.0     # a decode whose last load report is older is not chosen
+    retry_after_s: float = 1.0          # Retry-After sent with a rejection
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.budget_fraction <= 1.0:
+            raise ConfigError(f"gate.budget_fraction must be in (0, 1], got {self.budget_fraction}")
+        for name in ("admission_wait_s", "retry_after_s", "max_input_tokens", "max_output_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"gate.{name} must not be negative, got {getattr(self, name)}")
+        for name in ("reservation_ttl_s", "instance_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"gate.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class GateConfig:
+    instance: str = "gate-0"
+    load_interval_s: float = 1.0
+    bus: BusConfig = field(default_factory=BusConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    gate: GateSettings = field(default_factory=GateSettings)

@@ -1,0 +1,174 @@
+"""The gate service: `Admission` (admission.py) wired to the bus.
+
+- `moorage.gate.admit` (queue group "gate"): AdmitRequest -> AdmitReply. A request that has to wait
+  keeps its NATS message here and is answered later by the tick loop, so the subscription never blocks.
+- `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
+- Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
+  what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import msgpack
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from services.gate.admission import Admission, Admitted, Invalid, Rejected, Wait
+from shared.bus import Bus
+from shared.messages import AdmitReply, AdmitRequest, LoadReport, Release
+from shared.service import ServiceContext
+from shared.tracing import get_tracer
+
+TICK_S = 0.05
+tracer = get_tracer("services.gate")
+
+
+@dataclass
+class _Pending:
+    raw: Msg
+    span: trace.Span
+    started: float
+
+
+def _request_id_of(data: bytes) -> str:
+    """Best effort, for answering a malformed admit."""
+    with contextlib.suppress(Exception):
+        rid = msgpack.unpackb(data, raw=False, strict_map_key=False).get("request_id")
+        if isinstance(rid, str):
+            return rid
+    return ""
+
+
+class Gate:
+    def __init__(self, ctx: ServiceContext):
+        self.ctx, self.bus, self.log = ctx, ctx.bus, ctx.log
+        self.admission = Admission(ctx.config.gate)
+        self.pending: dict[str, list[_Pending]] = {}  # waiting request id -> its admit messages
+        self.wake = asyncio.Event()
+        self.malformed = 0
+        self.stopping = False
+
+    async def start(self) -> None:
+        s = self.bus.subjects
+        await self.bus.subscribe(s.gate_admit, AdmitRequest, self.on_admit, queue="gate",
+                                 on_error=self.on_malformed_admit)
+        await self.bus.subscribe(s.gate_release, Release, self.on_release, on_error=self.on_malformed)
+        await self.bus.subscribe(s.load("decode", "*"), LoadReport, self.on_load, on_error=self.on_malformed)
+        self.ctx.load_report = self.load_report
+        loop_task = asyncio.create_task(self.loop())
+
+        async def stop() -> None:
+            self.stopping = True  # admits still delivered while the bus drains are refused at once
+            loop_task.cancel()
+            for rid in list(self.pending):
+                await self.answer(Rejected(rid, "gate shutting down", 0.0, self.admission.settings.retry_after_s))
+
+        self.ctx.on_stop.append(stop)
+
+    # ---- handlers ----------------------------------------------------------------------------
+    async def on_admit(self, msg: AdmitRequest, raw: Msg) -> AdmitReply | None:
+        now = time.monotonic()
+        span = tracer.start_span("gate.admit", context=Bus.trace_context(raw), kind=trace.SpanKind.SERVER,
+                                 attributes={"request_id": msg.request_id, "prompt_tokens": msg.prompt_tokens,
+                                             "max_tokens": msg.max_tokens})
+        p = _Pending(raw, span, now)
+        try:
+            if self.stopping:
+                raise RuntimeError("shutting down")
+            outcome = self.admission.admit(msg.request_id, msg.prompt_tokens, msg.max_tokens, now,
+                                           msg.decode_instance)
+        except Exception as e:  # a bug must cost one request, not the service
+            self.log.exception("admit failed", request_id=msg.request_id)
+            span.record_exception(e)
+            outcome = Rejected(msg.request_id, f"gate internal error: {e}", 0.0, self.admission.settings.retry_after_s)
+        if isinstance(outcome, Wait):
+            self.pending.setdefault(msg.request_id, []).append(p)
+            with trace.use_span(span):
+                self.log.info("admission waiting", request_id=msg.request_id, waiting=len(self.admission.queue))
+            self.wake.set()
+            return None
+        return self.reply(p, outcome)
+
+    async def on_release(self, msg: Release, raw: Msg) -> None:
+        how = self.admission.release(msg.request_id)
+        self.log.info("release", request_id=msg.request_id, result=how, reason=msg.reason)
+        if how == "cancelled":
+            await self.answer(Rejected(msg.request_id, "released while waiting", 0.0, 0.0))
+        self.wake.set()
+
+    async def on_load(self, msg: LoadReport, raw: Msg) -> None:
+        if msg.role == "decode":
+            self.admission.report(msg.instance, msg.capacity_tokens, msg.free_tokens, msg.ready, time.monotonic())
+            self.wake.set()
+
+    def on_malformed_admit(self, err: Exception, raw: Msg) -> AdmitReply:
+        self.malformed += 1
+        self.log.warning("malformed admit", error=str(err), subject=raw.subject)
+        return AdmitReply(request_id=_request_id_of(raw.data), status="invalid", reason=str(err))
+
+    def on_malformed(self, err: Exception, raw: Msg) -> None:
+        self.malformed += 1
+        self.log.warning("malformed message", error=str(err), subject=raw.subject)
+
+    # ---- answers -----------------------------------------------------------------------------
+    def reply(self, p: _Pending, outcome: Admitted | Invalid | Rejected) -> AdmitReply:
+        """The AdmitReply for one admit message; ends its span and logs the decision."""
+        waited_ms = (time.monotonic() - p.started) * 1000.0
+        rid = outcome.request_id
+        if isinstance(outcome, Admitted):
+            reply = AdmitReply(rid, "admitted", decode_instance=outcome.instance, waited_ms=waited_ms)
+        elif isinstance(outcome, Invalid):
+            reply = AdmitReply(rid, "invalid", reason=outcome.reason, waited_ms=waited_ms)
+        else:
+            reply = AdmitReply(rid, "rejected", reason=outcome.reason, retry_after_s=outcome.retry_after_s,
+                               waited_ms=waited_ms)
+        p.span.set_attributes({"decision": reply.status, "decode_instance": reply.decode_instance or "",
+                               "wait_ms": waited_ms})
+        with trace.use_span(p.span, end_on_exit=True):
+            self.log.info(f"admission {reply.status}", request_id=rid, decode_instance=reply.decode_instance,
+                          reason=reply.reason or None, waited_ms=round(waited_ms, 1))
+        return reply
+
+    async def answer(self, outcome: Admitted | Invalid | Rejected) -> None:
+        for p in self.pending.pop(outcome.request_id, []):
+            with contextlib.suppress(Exception):
+                await self.bus.respond(p.raw, self.reply(p, outcome))
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        for admitted in self.admission.drain(now):
+            await self.answer(admitted)
+        expiry = self.admission.expire(now)
+        for rejected in expiry.rejected:
+            await self.answer(rejected)
+        for r in expiry.reservations:
+            self.log.warning("reservation expired unreleased", request_id=r.request_id, decode_instance=r.instance,
+                             tokens=r.tokens, age_s=round(now - r.admitted_at, 1))
+
+    async def loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), TICK_S)
+            self.wake.clear()
+            try:
+                await self.tick()
+            except Exception:
+                self.log.exception("gate tick failed")
+
+    def load_report(self) -> LoadReport:
+        now, a = time.monotonic(), self.admission
+        live = [i for i in a.instances.values() if a.live(i, now)]
+        return LoadReport(instance=self.ctx.instance, role="gate", ready=True,
+                          capacity_tokens=sum(i.budget for i in live),
+                          free_tokens=sum(max(0, i.budget - i.committed) for i in live),
+                          running=len(a.reservations), waiting=len(a.queue),
+                          detail={**a.stats(now), "malformed": self.malformed})
+
+
+async def serve(ctx: ServiceContext) -> None:
+    await Gate(ctx).start()

@@ -1,0 +1,127 @@
+"""Prefill's side of the KV handoff: gather -> Transfer Engine write -> tell decode, in slot-sized windows.
+
+A request's KV is sent as windows of whole blocks, each at most one landing slot (default 8 MiB) of the
+decode rank's token-major buffer ([tokens, layers, 2, kv_heads, head_dim], see shared/kv_layout.py). Per
+round: ask decode for credits (slots), gather one window per slot into our registered staging
+buffers, write them all in one batched call, then tell decode which bytes landed where; decode
+scatters and returns the credits. The blocks stay owned by the handoff until it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import get_kv_kernels
+from shared.bus import Bus
+from shared.kv_layout import KVLayout
+from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
+from shared.transfer import KVTransport, TransferConfig
+
+
+class HandoffFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class HandoffStats:
+    bytes: int = 0
+    writes: int = 0
+    rounds: int = 0
+    gather_ms: float = 0.0
+    write_ms: float = 0.0
+    scatter_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class StagingPool:
+    """Registered staging buffers of slot size, shared by all handoffs of this instance."""
+
+    def __init__(self, transport: KVTransport, count: int, nbytes: int):
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        for b in self.buffers:
+            transport.register(b)
+        self._free = list(range(count))
+        self._cond = asyncio.Condition()
+
+    async def take(self, n: int) -> list[int]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._free) >= min(n, len(self.buffers)))
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    async def give_back(self, ids: list[int]) -> None:
+        async with self._cond:
+            self._free += ids
+            self._cond.notify_all()
+
+
+class HandoffSender:
+    def __init__(self, bus: Bus, instance: str, layout: KVLayout, pages: list[torch.Tensor],
+                 transport: KVTransport, config: TransferConfig):
+        self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
+        self.transport, self.config = transport, config
+        self.kernels = get_kv_kernels(pages[0].device)
+        self.token_bytes = layout.bytes_per_token  # one token, every layer, K and V (one decode rank)
+        self.window_tokens = (config.slot_bytes // self.token_bytes) // layout.block_size * layout.block_size
+        if self.window_tokens == 0:
+            raise ValueError(f"transfer.slot_bytes {config.slot_bytes} cannot hold one block of KV "
+                             f"({layout.block_size * self.token_bytes} bytes)")
+        self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes)
+
+    def _windows(self, num_tokens: int) -> list[tuple[int, int]]:
+        w = self.window_tokens
+        return [(t0, min(num_tokens, t0 + w)) for t0 in range(0, num_tokens, w)]
+
+    async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
+                   done: HandoffDone) -> HandoffStats:
+        """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over."""
+        subjects, stats = self.bus.subjects, HandoffStats()
+        windows = self._windows(num_tokens)
+        total = num_tokens * self.token_bytes
+        deadline = time.monotonic() + self.config.timeout_s
+        B, i = self.layout.block_size, 0
+        while i < len(windows):
+            want = min(self.config.max_slots_per_round, len(windows) - i, len(self.staging.buffers))
+            grant = await self.bus.request(subjects.decode_slots(decode), SlotRequest(
+                request_id, self.instance, total, num_tokens, want), SlotGrant)
+            if grant.error or not grant.slots:
+                if grant.error.startswith("fatal:") or time.monotonic() > deadline:
+                    raise HandoffFailed(grant.error or "decode granted no landing slots in time")
+                await asyncio.sleep(0.02)  # decode is short of slots or KV: its credits come back soon
+                continue
+            slots = grant.slots[:want]
+            bufs = await self.staging.take(len(slots))
+            try:
+                src, dst, lens, pieces = [], [], [], []
+                t = time.perf_counter()
+                for (slot_id, addr, cap), b in zip(slots, bufs):
+                    t0, t1 = windows[i]
+                    i += 1
+                    nbytes = (t1 - t0) * self.token_bytes
+                    if nbytes > cap:
+                        raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
+                    out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
+                    await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
+                                            t1 - t0, 1, self.layout, [out])
+                    src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
+                    pieces.append([slot_id, t0 * self.token_bytes, nbytes])
+                stats.gather_ms += (time.perf_counter() - t) * 1e3
+                t = time.perf_counter()
+                await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
+                stats.write_ms += (time.perf_counter() - t) * 1e3
+            finally:
+                await self.staging.give_back(bufs)
+            stats.writes, stats.bytes, stats.rounds = stats.writes + len(src), stats.bytes + sum(lens), stats.rounds + 1
+            ack = await self.bus.request(subjects.decode_filled(decode), SlotsFilled(request_id, pieces), Ack)
+            if not ack.ok:
+                raise HandoffFailed(f"decode could not land the KV: {ack.error}")
+            stats.scatter_ms += float(ack.stats.get("scatter_ms", 0.0))
+        done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds}
+        ack = await self.bus.request(subjects.decode_landed(decode), done, Ack)
+        if not ack.ok:
+            raise HandoffFailed(f"decode refused the request: {ack.error}")
+        return stats

@@ -1,0 +1,175 @@
+"""The bus: NATS with typed messages, subjects under one prefix, trace context in headers, and a
+payload cap that fails loudly (KV bytes must never ride the bus; they go through Mooncake).
+
+Request/reply subjects are plain core-NATS subjects; no JetStream stream may overlap them (a stream
+on an overlapping subject would answer the request itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from shared.logging import get_logger
+from shared.messages import Message, MessageError
+from shared.tracing import extract_context, inject_headers
+
+log = get_logger("bus")
+DEFAULT_MAX_MESSAGE_BYTES = 768 * 1024  # well under NATS's 1 MiB, far under any real KV transfer
+
+
+class PayloadTooLarge(RuntimeError):
+    """A message over the cap: almost certainly bulk data sent the wrong way."""
+
+
+@dataclass
+class BusConfig:
+    url: str = "nats://127.0.0.1:4222"
+    prefix: str = "moorage"
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    creds_file: str = ""          # NATS decentralized auth (.creds)
+    tls_ca: str = ""              # set to use TLS (with tls_cert/tls_key for mutual TLS)
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    request_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "moorage"
+
+    @property
+    def gate_admit(self) -> str:
+        return f"{self.prefix}.gate.admit"
+
+    @property
+    def gate_release(self) -> str:
+        return f"{self.prefix}.gate.release"
+
+    def prefill_submit(self, instance: str) -> str:
+        return f"{self.prefix}.prefill.{instance}.submit"
+
+    def decode_slots(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.slots"
+
+    def decode_filled(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.filled"
+
+    def decode_landed(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.landed"
+
+    def request_out(self, request_id: str) -> str:
+        return f"{self.prefix}.req.{request_id}.out"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.cancel.{request_id}"
+
+    @property
+    def cancel_all(self) -> str:
+        return f"{self.prefix}.cancel.*"
+
+    def load(self, role: str, instance: str) -> str:
+        return f"{self.prefix}.load.{role}.{instance}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self.prefix}.load.>"
+
+    def kv_events(self, instance: str) -> str:
+        return f"{self.prefix}.kv.events.{instance}"
+
+
+Handler = Callable[[Message, Msg], Awaitable[Message | None]]
+
+
+@dataclass
+class Bus:
+    nc: NATS
+    config: BusConfig
+    subjects: Subjects = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.subjects = Subjects(self.config.prefix)
+
+    @classmethod
+    async def connect(cls, config: BusConfig, name: str, **callbacks) -> "Bus":
+        opts: dict = dict(servers=[config.url], name=name, connect_timeout=config.connect_timeout_s,
+                          max_reconnect_attempts=-1, reconnect_time_wait=0.5, **callbacks)
+        if config.user:
+            opts.update(user=config.user, password=config.password)
+        if config.token:
+            opts["token"] = config.token
+        if config.creds_file:
+            opts["user_credentials"] = config.creds_file
+        if config.tls_ca:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=config.tls_ca)
+            if config.tls_cert:
+                ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
+            opts["tls"] = ctx
+        return cls(await nats.connect(**opts), config)
+
+    def _pack(self, msg: Message) -> bytes:
+        data = msg.encode()
+        if len(data) > self.config.max_message_bytes:
+            raise PayloadTooLarge(f"{msg.KIND} message of {len(data)} bytes exceeds the bus cap of "
+                                  f"{self.config.max_message_bytes}: bulk data belongs on the transfer engine")
+        return data
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        await self.nc.publish(subject, self._pack(msg), headers=inject_headers())
+
+    async def request(self, subject: str, msg: Message, reply_type: type[Message],
+                      timeout: float | None = None) -> Message:
+        resp = await self.nc.request(subject, self._pack(msg), timeout=timeout or self.config.request_timeout_s,
+                                     headers=inject_headers())
+        return reply_type.decode(resp.data)
+
+    async def respond(self, req: Msg, msg: Message) -> None:
+        if req.reply:
+            await self.nc.publish(req.reply, self._pack(msg))
+
+    async def subscribe(self, subject: str, msg_type: type[Message], handler: Handler, queue: str = "",
+                        on_error: Callable[[Exception, Msg], Message | None] | None = None):
+        """Decode each message as msg_type and call handler(message, raw). A returned message is the
+        reply. Malformed messages (and handler exceptions) are answered by on_error, if given;
+        malformed messages never reach the handler."""
+        async def cb(raw: Msg) -> None:
+            try:
+                msg = msg_type.decode(raw.data)
+            except MessageError as e:
+                reply = on_error(e, raw) if on_error else None
+                if reply is not None:
+                    await self.respond(raw, reply)
+                return
+            try:
+                reply = await handler(msg, raw)
+            except Exception as e:  # a failing handler must answer, not leave the requester hanging
+                log.exception("handler failed", subject=raw.subject, kind=msg.KIND)
+                reply = on_error(e, raw) if on_error else None
+            if reply is not None:
+                await self.respond(raw, reply)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    @staticmethod
+    def trace_context(raw: Msg):
+        """The sender's trace context (use as the parent of this side's span)."""
+        return extract_context(raw.headers)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+            except Exception:
+                await self.nc.close()

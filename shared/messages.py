@@ -1,0 +1,239 @@
+"""Every message on the bus, in one place. msgpack maps with a schema version and a kind.
+
+Decoding tolerates unknown fields (a newer sender may add some) and rejects a wrong kind, a newer major
+version, a missing required field or a field of the wrong primitive type with a clear MessageError.
+KV bytes never travel here: see shared/bus.py for the size guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+
+class MessageError(ValueError):
+    pass
+
+
+_PRIMITIVES = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,),
+               list: (list, tuple), dict: (dict,)}
+
+
+def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> None:
+    """Top-level primitive check: the container kind, not its items (those are the handler's job)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return
+        alternatives = [a for a in typing.get_args(tp) if a is not type(None)]
+    else:
+        alternatives = [tp]
+    if value is None:
+        raise MessageError(f"{cls_name}.{name} must not be null")
+    for a in alternatives:
+        base = typing.get_origin(a) or a
+        ok = _PRIMITIVES.get(base)
+        if ok is None or (isinstance(value, ok) and not (base in (int, float) and isinstance(value, bool))):
+            return
+    expected = " or ".join(getattr(a, "__name__", str(a)) for a in alternatives)
+    raise MessageError(f"{cls_name}.{name}: expected {expected}, got {type(value).__name__}")
+
+
+class Message:
+    KIND: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": SCHEMA_VERSION, "kind": self.KIND, **self.to_dict()}, use_bin_type=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Message":
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                _check_type(cls.__name__, f.name, data[f.name], hints[f.name])
+                kwargs[f.name] = data[f.name]
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{cls.__name__}: missing required field {f.name!r}")
+        return cls(**kwargs)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Message":
+        try:
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as e:
+            raise MessageError(f"{cls.__name__}: not valid msgpack ({type(e).__name__}: {e})") from None
+        if not isinstance(data, dict):
+            raise MessageError(f"{cls.__name__}: expected a map")
+        if data.get("kind") != cls.KIND:
+            raise MessageError(f"expected a {cls.KIND!r} message, got {data.get('kind')!r}")
+        if not isinstance(data.get("v"), int) or data["v"] > SCHEMA_VERSION:
+            raise MessageError(f"{cls.KIND}: unsupported schema version {data.get('v')!r}")
+        return cls.from_dict(data)
+
+
+def message(kind: str):
+    """Class decorator: a frozen-free dataclass registered under `kind`."""
+    def wrap(cls):
+        cls = dataclass(cls)
+        cls.KIND = kind
+        KINDS[kind] = cls
+        return cls
+    return wrap
+
+
+KINDS: dict[str, type[Message]] = {}
+
+
+# ---- admission (router <-> gate) ---------------------------------------------------------------
+@message("admit")
+class AdmitRequest(Message):
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    decode_instance: str | None = None  # None: the gate picks the decode with the least committed KV
+
+
+@message("admit_reply")
+class AdmitReply(Message):
+    request_id: str
+    status: str  # "admitted" | "rejected" (over budget after waiting) | "invalid" (can never fit)
+    decode_instance: str | None = None
+    reason: str = ""
+    retry_after_s: float = 0.0
+    waited_ms: float = 0.0
+
+
+@message("release")
+class Release(Message):
+    request_id: str
+    reason: str = ""
+
+
+# ---- prefill submission and the KV handoff (router -> prefill -> decode) -------------------------
+@message("prefill_submit")
+class PrefillSubmit(Message):
+    request_id: str
+    prompt_ids: list[int]
+    sampling: dict  # SamplingParams fields
+    decode_instance: str
+    session_id: str | None = None
+
+
+@message("ack")
+class Ack(Message):
+    request_id: str
+    ok: bool
+    error: str = ""
+    stats: dict = field(default_factory=dict)  # e.g. decode's scatter time, for the handoff span
+
+
+@message("slot_request")
+class SlotRequest(Message):
+    """Prefill asks a decode instance for landing slots for one request's KV."""
+    request_id: str
+    prefill_instance: str
+    total_bytes: int
+    num_tokens: int
+    max_slots: int
+
+
+@message("slot_grant")
+class SlotGrant(Message):
+    request_id: str
+    endpoint: str = ""                                # decode's transfer-engine endpoint
+    slots: list = field(default_factory=list)         # [[slot_id, addr, nbytes], ...]
+    error: str = ""
+
+
+@message("slots_filled")
+class SlotsFilled(Message):
+    """Prefill wrote these slots: bytes [offset, offset + nbytes) of the request's rank buffer."""
+    request_id: str
+    pieces: list                                      # [[slot_id, offset, nbytes], ...]
+
+
+@message("handoff_done")
+class HandoffDone(Message):
+    """All KV landed: decode adopts the request and continues generating."""
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    shown_text: str
+    sampling: dict
+    token_sources: dict                                # {"device": n, "store": n, "computed": n}
+    handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
+
+
+# ---- tokens, cancellation, load ----------------------------------------------------------------
+@message("tokens")
+class TokenChunk(Message):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: dict | None = None   # on the final chunk
+    error: dict | None = None   # {"status": int, "type": str, "message": str}
+
+
+@message("cancel")
+class Cancel(Message):
+    request_id: str
+    reason: str = ""
+
+
+@message("load")
+class LoadReport(Message):
+    instance: str
+    role: str                    # router | gate | prefill | decode
+    ready: bool
+    capacity_tokens: int = 0     # KV capacity (prefill/decode)
+    free_tokens: int = 0         # KV not held by any request
+    running: int = 0
+    waiting: int = 0
+    queued_tokens: int = 0       # prompt tokens not yet computed (prefill)
+    endpoint: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+@message("kv_events")
+class KVEventBatch(Message):
+    instance: str
+    events: list                 # [{"type": "stored"|"removed"|"cleared", "hashes": [...], "medium": ...}]
+
+
+def decode_any(raw: bytes) -> Message:
+    """Decode by the message's own kind (for tools that watch several subjects)."""
+    try:
+        kind = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("kind")
+    except Exception as e:
+        raise MessageError(f"not a moorage message: {e}") from None
+    if kind not in KINDS:
+        raise MessageError(f"unknown message kind {kind!r}")
+    return KINDS[kind].decode(raw)
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, sources: dict) -> dict:
+    """The final chunk's usage: OpenAI fields plus moorage's token sources (they sum to the prompt)."""
+    device, store = int(sources.get("device", 0)), int(sources.get("store", 0))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": device + store},
+        "moorage": {"device": device, "store": store, "computed": prompt_tokens - device - store},
+    }
+
+
+def error_info(status: int, message: str, type_: str = "server_error") -> dict:
+    return {"status": status, "type": type_, "message": message}

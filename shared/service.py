@@ -1,0 +1,122 @@
+"""What every service's `main` shares: config from file + env + CLI, logging, tracing, the bus
+connection, a periodic load report, and a clean shutdown on SIGTERM/SIGINT.
+
+A service main reads: `run_service(ROLE, MyConfig, serve)` where `serve(ctx)` subscribes and returns;
+the runtime then waits for a signal, calls the service's `on_stop` hooks, drains the bus and flushes
+traces. Nothing here knows about any particular service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.bus import Bus, BusConfig
+from shared.config import ConfigError, describe, load_config
+from shared.logging import get_logger, setup_logging
+from shared.messages import LoadReport
+from shared.tracing import TracingConfig, setup_tracing, shutdown_tracing
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"
+    json: bool = True
+
+
+@dataclass
+class ServiceContext:
+    role: str
+    instance: str
+    config: Any
+    bus: Bus
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    load_report: Callable[[], LoadReport] | None = None  # published every load_interval_s
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def log(self):
+        return get_logger(self.role)
+
+
+async def _report_load(ctx: ServiceContext, interval: float) -> None:
+    while not ctx.stop.is_set():
+        if ctx.load_report is not None:
+            with contextlib.suppress(Exception):
+                await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), ctx.load_report())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.stop.wait(), timeout=interval)
+
+
+async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitable[None]]) -> int:
+    instance = config.instance
+    setup_logging(role, instance, config.log.level, config.log.json)
+    setup_tracing(role, instance, config.tracing)
+    log = get_logger(role)
+    bus = await Bus.connect(config.bus, f"{role}-{instance}")
+    ctx = ServiceContext(role, instance, config, bus)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stop.set)
+    reporter = None
+    try:
+        await serve(ctx)
+        reporter = asyncio.create_task(_report_load(ctx, getattr(config, "load_interval_s", 1.0)))
+        log.info("ready", role=role, instance=instance, nats=config.bus.url)
+        await ctx.stop.wait()
+        log.info("stopping")
+    finally:
+        for hook in reversed(ctx.on_stop):
+            with contextlib.suppress(Exception):
+                await hook()
+        if reporter:
+            reporter.cancel()
+        if ctx.load_report is not None:  # say goodbye so routers and gates stop choosing us at once
+            with contextlib.suppress(Exception):
+                report = ctx.load_report()
+                report.ready = False
+                await bus.publish(bus.subjects.load(role, instance), report)
+        await bus.close()
+        shutdown_tracing()
+        log.info("stopped")
+    return 0
+
+
+def parse_service_args(role: str, config_cls: type, argv: list[str] | None = None):
+    p = argparse.ArgumentParser(prog=f"moorage serve {role}", description=f"the moorage {role} service")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key (repeatable)")
+    p.add_argument("--print-config", action="store_true", help="print every key with its default and exit")
+    args = p.parse_args(argv)
+    if args.print_config:
+        for key, tp, default in describe(config_cls):
+            print(f"{key} = {default!r}  # {tp}")
+        sys.exit(0)
+    return load_config(config_cls, args.config, args.set)
+
+
+def run_service(role: str, config_cls: type, serve: Callable[[ServiceContext], Awaitable[None]],
+                argv: list[str] | None = None) -> int:
+    try:
+        config = parse_service_args(role, config_cls, argv)
+    except ConfigError as e:
+        print(f"moorage {role}: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(_run(role, config, serve))
+    except ImportError:  # pragma: no cover - uvloop is a core dependency
+        return asyncio.run(_run(role, config, serve))
+
+
+__all__ = ["BusConfig", "LogConfig", "ServiceContext", "TracingConfig", "run_service"]

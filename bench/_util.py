@@ -23,7 +23,21 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "calibration_matmul_GFLOPs_at_start": calibrate_gflops(),
     }
+
+
+def calibrate_gflops(n: int = 512, reps: int = 20) -> float:
+    """fp32 matmul GFLOP/s with torch's threads, best of 3: taken at start and end of a run, a drop
+    between the two (or vs a quiet run) shows the machine was shared while measuring."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 * reps / best / 1e9
 
 
 def time_calls(fns: list[Callable[[], object]], budget_s: float, min_iters: int, max_iters: int) -> list[dict]:
@@ -57,7 +71,9 @@ def report(r: dict) -> str:
     m = r["machine"]
     parts = [f"## moorage engine benchmark ({'quick' if r['params']['quick'] else 'full'})\n",
              f"torch {m['torch']}, {m['torch_threads']} threads, {m['cpu_count']} CPUs, {m['date']}, "
-             f"kernels: {r['kernel_backend']}\n",
+             f"kernels: {r['kernel_backend']}; load avg start {m['loadavg_1m_5m_15m'][0]:.2f} / end "
+             f"{m['loadavg_at_end'][0]:.2f}; matmul calibration start {m['calibration_matmul_GFLOPs_at_start']:.1f} / end "
+             f"{m['calibration_matmul_GFLOPs_at_end']:.1f} GFLOP/s\n",
              md_table(["model", "prompt tok", "max_batched", "mode", "repeats", "median tok/s", "best tok/s", "median s"],
                       [[x["model"], x["prompt_tokens"], x["max_batched_tokens"], x["mode"], x["repeats"],
                         x["median_tok_per_s"], x["best_tok_per_s"], x["median_s"]] for x in r["prefill"]]), "",
@@ -123,7 +139,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_xticks(list(x), [k["label"] for k in ks], fontsize=7, rotation=60, ha="right")
         ax.set_ylabel("GB/s (1e9 B, payload bytes / median time)")
         ax.set_title(title + "; label = kernel / copy")
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.18 * max([k["GBps"] for k in ks] + [k["copy_GBps"] for k in ks] + [1e-9]))
+        ax.legend(fontsize=8, ncol=2, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

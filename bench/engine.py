@@ -5,6 +5,9 @@ Run from the repository root (full run: several minutes on 2 CPU cores; --quick:
     .venv/bin/python -m bench.engine --out bench/results/engine.json
     .venv/bin/python -m bench.engine --quick --out bench/results/engine-quick.json
 
+On a machine shared with other jobs add `--threads 1`: a 2-thread torch run slows down many-fold
+(17x measured for SmolLM2 prefill) whenever another process holds one of the cores.
+
 Writes the JSON (machine info, parameters, every number with its unit in the key name and in
 "units"), a PNG plot next to it (same stem) and prints markdown tables. Prompts are random token ids
 from a seeded torch.Generator; the prefix cache is off so repeats recompute everything.
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench._util import machine_info, plot, report, time_calls
+from bench._util import calibrate_gflops, machine_info, plot, report, time_calls
 from kernels import get_kv_kernels
 from kernels.reference import rank_num_tokens
 from shared.engine.engine import Engine, EngineConfig
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     log("kernels")
     backend, kernels = bench_kernels(models[SMOL].config, p)
     result = {
-        "command": "python -m bench.engine" + (" --quick" if args.quick else "") + f" --out {args.out}",
+        "command": " ".join(["python -m bench.engine", *(argv if argv is not None else sys.argv[1:])]),
         "machine": info, "kernel_backend": backend,
         "params": {"quick": args.quick, "seed": SEED, "compute_dtype": "float32", "engine_kv_dtype": "float32",
                    "enable_prefix_cache": False, "block_size": 16, **p},
@@ -217,13 +220,15 @@ def main(argv: list[str] | None = None) -> None:
             "with max_batched_tokens=2048 a 2048-token prompt runs in one step (= one-shot); the 512-token "
             "chunk rows show the chunked-prefill cost at 2K",
             "decode tok/s counts tokens of decode steps only (max_tokens-1 per sequence); prompts prefilled untimed",
+            "the machine may be shared: compare the matmul calibration at start/end (and load averages); "
+            "a 2-thread torch run slows down many-fold when another process holds a core",
             "kernels: SmolLM2 layout; pack/unpack = 16 random blocks of stage 0 in a pool; gather = all "
             "ranks of a stages=1 prefill; scatter = rank 0 buffer into its own pages; out buffers preallocated",
         ],
         "prefill": prefill, "decode": decode, "kv_bytes_per_token": kv_bytes(models), "kernels": kernels,
     }
     result["total_wall_s"] = time.perf_counter() - t_start
-    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    result["machine"].update(loadavg_at_end=os.getloadavg(), calibration_matmul_GFLOPs_at_end=calibrate_gflops())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

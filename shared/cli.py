@@ -46,14 +46,70 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICE_NAMES = ("router", "gate", "prefill", "decode")
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="start the whole system on this machine (NATS, gate, prefill, decode, router)")
+    p.add_argument("--model", help="model to serve (default smollm2-135m); same as --set up.model=...")
+    p.add_argument("--port", type=int, help="router port (default 8000); same as --set up.port=...")
+    p.add_argument("--config", help="TOML file with [up] and per-service sections, e.g. [prefill.engine]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any key, e.g. up.port=8080 or prefill.engine.num_blocks=4096")
+    p.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from shared.config import load_config
+    from shared.up import UpConfig, run_up
+
+    overrides = list(args.set)
+    if args.model:
+        overrides.append(f"up.model={args.model}")
+    if args.port is not None:
+        overrides.append(f"up.port={args.port}")
+    return run_up(load_config(UpConfig, args.config, overrides))
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="health and load of every service, as reported on the bus")
+    p.add_argument("--nats-url", help="default: the bus of the `moorage up` running from --run-dir")
+    p.add_argument("--run-dir", default=".moorage")
+    p.add_argument("--prefix", default="moorage", help="bus subject prefix")
+    p.set_defaults(func=lambda a: __import__("shared.status", fromlist=["run_status"]).run_status(
+        a.nats_url, a.run_dir, a.prefix))
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run one service (what compose and systemd start)", add_help=False)
+    p.add_argument("service", choices=SERVICE_NAMES)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="--config FILE, --set KEY=VALUE, --print-config")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    from shared.service import run_service
+
+    config_module = importlib.import_module(f"services.{args.service}.config")
+    config_cls = next(getattr(config_module, n) for n in dir(config_module)
+                      if n.endswith("Config") and n.lower() == f"{args.service}config")
+    serve = importlib.import_module(f"services.{args.service}.main").serve
+    return run_service(args.service, config_cls, serve, args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moorage", description="moorage: disaggregated serving with a shared KV pool")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_up(sub)
+    _add_serve(sub)
+    _add_status(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except ValueError as e:  # includes ConfigError
         print(f"moorage {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,234 @@
+"""The whole system as a user runs it: real nats-server, gate, prefill, decode and router processes on
+loopback, driven with the official `openai` client. Greedy output must equal the in-process engine's
+(what `moorage generate` prints), token for token, including when the prompt prefix came from cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from shared.bus import Bus, BusConfig
+from shared.config import load_config
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.messages import LoadReport
+from shared.tracing import read_spans
+from shared.up import Launcher, UpConfig
+from tests.natsbus import free_port, nats_url
+
+QUESTION = "List three things a code reviewer checks in a pull request, and why each matters."
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory, tiny):
+    run_dir = tmp_path_factory.mktemp("up")
+    with nats_url() as url:
+        cfg = load_config(UpConfig, overrides=[
+            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "decode.engine.num_blocks=96",          # 1536 tokens: the gate's budget is 1382
+            "gate.gate.admission_wait_s=1", "up.ready_timeout_s=120",
+            "prefill.transfer.slot_bytes=262144",   # several writes per handoff even for short prompts
+            "decode.transfer.slot_bytes=262144", "decode.transfer.slots=4",
+        ])
+        launcher = Launcher(cfg)
+        try:
+            base = launcher.start()
+            launcher.wait_ready(base)
+            yield launcher, base, url
+        finally:
+            launcher.stop()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(loaded, prompt_ids, max_tokens):
+    engine = Engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False))
+    [seq] = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return seq
+
+
+async def load_reports(nats: str, seconds: float = 1.3) -> dict[str, LoadReport]:
+    bus = await Bus.connect(BusConfig(url=nats), "test-observer")
+    seen: dict[str, LoadReport] = {}
+
+    async def on_load(msg, raw):
+        seen[msg.role] = msg
+
+    await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
+    await asyncio.sleep(seconds)
+    await bus.close()
+    return seen
+
+
+def test_chat_and_completions_equal_engine_output(system, tiny):
+    _, base, _ = system
+    c = client(base)
+    messages = [{"role": "user", "content": QUESTION}]
+    ref = reference(tiny, tiny.tokenizer.chat_token_ids(messages), 24)
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.output_text
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(ref.prompt_ids)
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, stream=True, temperature=0,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.output_text
+    assert chunks[-1].usage.completion_tokens == 24
+
+    ref2 = reference(tiny, tiny.tokenizer.encode("def fibonacci(n):"), 16)
+    r = c.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref2.output_text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="def fibonacci(n):", max_tokens=16, stream=True, temperature=0, extra_body={"ignore_eos": True}))
+    assert streamed == ref2.output_text
+
+
+def test_second_turn_reuses_cached_prefix_and_matches_scratch(system, tiny):
+    _, base, _ = system
+    c = client(base)
+    history = [{"role": "user", "content": QUESTION + " (session two)"}]
+    first = c.chat.completions.create(model="tiny", messages=history, max_tokens=20, temperature=0,
+                                      extra_headers={"X-Session-ID": "s-e2e"}, extra_body={"ignore_eos": True})
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Now the fourth thing."}]
+    second = c.chat.completions.create(model="tiny", messages=history, max_tokens=20, temperature=0,
+                                       extra_headers={"X-Session-ID": "s-e2e"}, extra_body={"ignore_eos": True})
+    u = second.usage.model_dump()
+    assert u["prompt_tokens_details"]["cached_tokens"] > 0
+    assert u["moorage"]["device"] + u["moorage"]["store"] + u["moorage"]["computed"] == u["prompt_tokens"]
+    ref = reference(tiny, tiny.tokenizer.chat_token_ids(history), 20)
+    assert second.choices[0].message.content == ref.output_text
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": "nope"}, 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "nope"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "context length"),
+])
+def test_bad_input_gets_openai_error(system, body, status, needle):
+    _, base, _ = system
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status
+    assert needle in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(system):
+    _, base, _ = system
+    r = httpx.post(base + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_burst_beyond_budget_queues_then_rejects(system, tiny):
+    """Each request reserves 1240 tokens of a 1382-token budget: one runs at a time, the rest queue;
+    those still queued after the gate's 1 s wait get 429 with Retry-After."""
+    _, base, _ = system
+    prompts = ["burst " * (40 + i) for i in range(6)]  # distinct lengths identify the answers
+
+    async def one(i: int):
+        async with httpx.AsyncClient(timeout=120) as h:
+            return await h.post(base + "/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": 1000, "ignore_eos": True, "temperature": 0})
+
+    async def burst():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    results = asyncio.run(burst())
+    ok = [r for r in results if r.status_code == 200]
+    rejected = [r for r in results if r.status_code == 429]
+    assert ok and rejected and len(ok) + len(rejected) == 6
+    assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+    by_length = {len(tiny.tokenizer.encode(p)): p for p in prompts}
+    for r in ok:
+        prompt = by_length[r.json()["usage"]["prompt_tokens"]]
+        assert r.json()["choices"][0]["text"] == reference(tiny, tiny.tokenizer.encode(prompt), 1000).output_text
+
+
+def test_client_disconnect_releases_budget_and_kv(system):
+    _, base, nats = system
+    before = asyncio.run(load_reports(nats))
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "disconnect me " * 10, "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        now = asyncio.run(load_reports(nats))
+        if (now["gate"].free_tokens == now["gate"].capacity_tokens
+                and now["decode"].free_tokens == before["decode"].free_tokens
+                and now["decode"].running == 0):
+            break
+    assert now["gate"].free_tokens == now["gate"].capacity_tokens, "gate budget not released"
+    assert now["decode"].running == 0 and now["decode"].free_tokens == before["decode"].free_tokens
+
+
+def test_one_trace_spans_every_service(system):
+    launcher, base, _ = system
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "trace me", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200
+    path = launcher.run_dir / "traces.jsonl"
+    want = {"router.request", "gate.admit", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate"}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        spans = read_spans(path)
+        roots = [s for s in spans if s["name"] == "router.request"
+                 and s["attributes"].get("request_id") == r.json()["id"].replace("cmpl-", "req-")]
+        if roots:
+            trace = [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
+            if want <= {s["name"] for s in trace}:
+                break
+        time.sleep(0.5)
+    assert roots, "router.request span not exported"
+    by_id = {s["span_id"]: s for s in trace}
+    names = {s["name"]: s for s in trace}
+    assert want <= set(names), f"missing spans: {want - set(names)}"
+    for s in trace:  # every span but the root has its parent in the same trace
+        assert s is roots[0] or s["parent_span_id"] in by_id, f"{s['name']} has a dangling parent"
+    assert by_id[names["decode.generate"]["parent_span_id"]]["name"] == "kv.handoff"
+    assert names["kv.handoff"]["attributes"]["writes"] >= 1 and names["kv.handoff"]["attributes"]["bytes"] > 0
+
+
+def test_status_lists_every_service(system):
+    launcher, _, _ = system
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--run-dir", str(launcher.run_dir)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for role in ("router", "gate", "prefill", "decode"):
+        assert role in r.stdout
+
+
+def test_up_stops_every_process_on_sigterm(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", "tiny", "--port", str(port),
+                             "--set", f"up.run_dir={run_dir}", "--set", "up.ready_timeout_s=120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready" in line and "http://" in line:
+                break
+        state = json.loads((run_dir / "up.json").read_text())
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for name, pid in state["pids"].items():
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", \
+                f"{name} still running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

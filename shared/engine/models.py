@@ -70,3 +70,28 @@ def _hf_dir_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
     if (path / "tokenizer.json").exists():
         return BPETokenizer.from_hf_dir(path, config.eos_token_ids)
     return ByteTokenizer()
+
+
+def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
+    """The tokenizer and the model's max context, without reading (or dequantizing) any weights:
+    for the router, which tokenizes and checks context length but never runs the model."""
+    if name_or_path == "tiny":
+        from shared.engine.tiny import tiny_config
+
+        return ByteTokenizer(), tiny_config().max_context
+    path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from shared.engine.gguf_loader import read_config
+
+        reader = GGUFReader(str(path))
+        config = read_config(reader, name_or_path)
+        return BPETokenizer.from_gguf_reader(reader, config.eos_token_ids), config.max_context
+    if (path / "config.json").exists():
+        from shared.engine.hf_loader import read_hf_config
+
+        config = read_hf_config(path, name_or_path)
+        return _hf_dir_tokenizer(path, config), config.max_context
+    raise ValueError(f"unknown model {name_or_path!r}: use one of {BUNDLED_MODELS}, a .gguf file "
+                     "or a directory with config.json + tokenizer files")

@@ -1,0 +1,91 @@
+"""The router's HTTP API: an OpenAI-compatible FastAPI app over a RouterState (bus, tokenizer, loads).
+
+Routes: POST /v1/chat/completions, POST /v1/completions (see generate.py), GET /v1/models, GET /health
+(200 only while a ready gate, prefill and decode have reported recently), GET /metrics (Prometheus).
+Every error, including FastAPI's own (422 validation, 404 route, 405 method), is an OpenAI error object.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.dispatch import RouterState
+from services.router.generate import Generation
+from services.router.prepare import authorize
+from services.router.schemas import OpenAIError
+
+REQUIRED_ROLES = ("gate", "prefill", "decode")
+
+
+def create_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="moorage router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+    created = int(time.time())
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return OpenAIError(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request",
+                           param=loc or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return OpenAIError(exc.status_code, str(exc.detail), code=code,
+                           headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return OpenAIError(500, "internal error in the router").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await Generation(state, request, chat=True).run()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await Generation(state, request, chat=False).run()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(state, request)
+        card = {"id": state.settings.model_name, "object": "model", "created": created, "owned_by": "moorage",
+                "root": state.settings.model, "max_model_len": state.context_limit}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        authorize(state, request)
+        if model_id not in (state.settings.model_name, state.settings.model):
+            raise OpenAIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse({"id": state.settings.model_name, "object": "model", "created": created,
+                             "owned_by": "moorage", "root": state.settings.model,
+                             "max_model_len": state.context_limit})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        now = state.clock()
+        ready = {role: [v.instance for v in state.loads.fresh(role, now)] for role in REQUIRED_ROLES}
+        missing = [role for role, instances in ready.items() if not instances]
+        if missing:
+            return JSONResponse({"status": "unavailable", "missing": missing, "ready": ready,
+                                 "message": f"no ready {', '.join(missing)} instance reported in the last "
+                                            f"{state.settings.instance_timeout_s:g} s"}, status_code=503)
+        return JSONResponse({"status": "ok", "ready": ready})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return app

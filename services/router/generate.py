@@ -1,0 +1,222 @@
+"""One completion request, HTTP side: validate -> tokenize -> context check -> dispatch on the bus ->
+answer as one JSON body or as an SSE stream.
+
+Nothing reaches the bus until the request is known to be well formed, so a bad request leaves no trace
+anywhere else. The response starts only after the first token arrived, so admission refusals and
+errors before the first token get real HTTP statuses; later errors become one SSE error event. A
+client that goes away (while queued at the gate, before the first token, or mid-stream) ends the
+request: Dispatch.close sends Cancel and Release, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.router.dispatch import Dispatch, Job, RouterState
+from services.router.metrics import CLIENT_CLOSED
+from services.router.prepare import prepare
+from services.router.responses import DONE, Shaper, make_usage, sse
+from services.router.schemas import OpenAIError
+from shared.logging import get_logger
+from shared.messages import TokenChunk
+from shared.tracing import extract_context, get_tracer
+
+tracer = get_tracer("services.router")
+_background: set[asyncio.Task] = set()  # cleanups that must finish even if their request task is cancelled
+
+
+class ClientGone(Exception):
+    pass
+
+
+def chunk_error(chunk: TokenChunk) -> OpenAIError:
+    err = chunk.error or {}
+    status = err.get("status")
+    status = status if isinstance(status, int) and 400 <= status <= 599 else 500
+    return OpenAIError(status, str(err.get("message") or "generation failed"), type=err.get("type") or None)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream(StreamingResponse):
+    """Finishes the request even when the body was never iterated (client gone before the first byte)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # runs the generator's own finally if it is suspended
+            finally:
+                await self._on_close(CLIENT_CLOSED, None, "client_disconnect")  # no-op if already finished
+
+
+class Generation:
+    def __init__(self, state: RouterState, request: Request, chat: bool):
+        self.state, self.request, self.chat = state, request, chat
+        self.endpoint = "chat" if chat else "completions"
+        self.t0 = state.clock()
+        self.request_id = f"req-{uuid.uuid4().hex}"
+        h = request.headers
+        self.session_id = h.get("x-session-id") or h.get("x-correlation-id") or None
+        self.log = get_logger("router").bind(request_id=self.request_id, session_id=self.session_id)
+        self.span = tracer.start_span(  # continues the client's trace when it sent a traceparent
+            "router.request", context=extract_context(h), kind=SpanKind.SERVER, attributes={
+                "request_id": self.request_id, "session_id": self.session_id or "", "endpoint": self.endpoint})
+        self.dispatch: Dispatch | None = None
+        self.completion_tokens = 0
+        self._finished = False
+
+    async def run(self) -> Response:
+        status, usage, reason, handed_off = 500, None, "error", False
+        try:
+            job, body = await prepare(self.state, self.request, self.chat, self.request_id,
+                                      self.session_id)
+            self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
+                                      "stream": bool(body.stream)})
+            self.state.metrics.in_flight.inc()
+            self.dispatch = Dispatch(self.state, job, self.span, self.log,
+                                     self.t0 + self.state.settings.request_timeout_s)
+            shaper = Shaper(self.chat, self.request_id, body.model, body.include_usage)
+            await self._unless_gone(self.dispatch.start())
+            first = await self._unless_gone(self.dispatch.next_chunk())
+            if first.error:
+                raise chunk_error(first)
+            ttft = self.state.clock() - self.t0
+            self.state.metrics.ttft.labels(self.endpoint).observe(ttft)
+            self.span.set_attribute("ttft_ms", round(ttft * 1000, 2))
+            headers = {"X-Request-ID": self.request_id}
+            if body.stream:
+                handed_off = True
+                return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
+                               headers={**headers, "Cache-Control": "no-cache"})
+            text, final = await self._unless_gone(self._collect(first))
+            usage = make_usage(final, len(job.prompt_ids), self.completion_tokens)
+            status, reason = 200, "finished"
+            return JSONResponse(shaper.full(text, final.finish_reason or "stop", usage), headers=headers)
+        except OpenAIError as e:
+            status, reason = e.status, ("timeout" if e.status == 504 else "error")
+            if e.status >= 500:
+                self.log.warning("request failed", status=e.status, error=e.message)
+            e.headers.setdefault("X-Request-ID", self.request_id)
+            return e.response()
+        except ClientGone:
+            status, reason = CLIENT_CLOSED, "client_disconnect"
+            return Response(status_code=CLIENT_CLOSED)  # nobody reads it
+        except asyncio.CancelledError:
+            status, reason = CLIENT_CLOSED, "cancelled"
+            raise
+        except Exception:
+            self.log.exception("request failed")
+            return OpenAIError(500, "internal error in the router").response()
+        finally:
+            if not handed_off:
+                await self._finish(status, usage, reason)
+
+    async def _unless_gone(self, coro):
+        """Await coro, but give up (ClientGone) as soon as the client disconnects."""
+        work = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(_wait_disconnect(self.request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if watch.done() and not watch.cancelled():
+                watch.exception()  # retrieved: a failed receive counts as a disconnect
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise ClientGone()
+        return work.result()
+
+    async def _collect(self, chunk: TokenChunk) -> tuple[str, TokenChunk]:
+        parts = []
+        while True:
+            if chunk.error:
+                raise chunk_error(chunk)
+            parts.append(chunk.text)
+            self.completion_tokens += len(chunk.token_ids)
+            if chunk.finished:
+                return "".join(parts), chunk
+            chunk = await self.dispatch.next_chunk()
+
+    async def _stream(self, chunk: TokenChunk, shaper: Shaper, job: Job):
+        status, usage, reason = CLIENT_CLOSED, None, "client_disconnect"
+        try:
+            if self.chat:
+                yield sse(shaper.role_chunk())
+            while True:
+                if chunk.error:
+                    err = chunk_error(chunk)
+                    status, reason = err.status, "error"
+                    yield sse(err.body())
+                    yield DONE
+                    return
+                self.completion_tokens += len(chunk.token_ids)
+                if chunk.text or chunk.finished:
+                    yield sse(shaper.delta_chunk(chunk.text, (chunk.finish_reason or "stop") if chunk.finished
+                                                 else None))
+                if chunk.finished:
+                    usage = make_usage(chunk, len(job.prompt_ids), self.completion_tokens)
+                    status, reason = 200, "finished"
+                    if shaper.include_usage:
+                        yield sse(shaper.usage_chunk(usage))
+                    yield DONE
+                    return
+                try:
+                    chunk = await self.dispatch.next_chunk()
+                except OpenAIError as e:  # deadline passed (504) or the router is shutting down (503)
+                    status, reason = e.status, ("timeout" if e.status == 504 else "error")
+                    yield sse(e.body())
+                    yield DONE
+                    return
+        except Exception:
+            status, reason = 500, "error"
+            self.log.exception("stream failed")
+        finally:
+            await self._finish(status, usage, reason)
+
+    async def _finish(self, status: int, usage: dict | None, reason: str) -> None:
+        """Exactly once per request; runs to completion even if the awaiting task is cancelled."""
+        if self._finished:
+            return
+        self._finished = True
+        task = asyncio.ensure_future(self._account(status, usage, reason))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        await asyncio.shield(task)
+
+    async def _account(self, status: int, usage: dict | None, reason: str) -> None:
+        m, elapsed = self.state.metrics, self.state.clock() - self.t0
+        try:
+            if self.dispatch is not None:
+                await self.dispatch.close(reason)
+        finally:
+            if self.dispatch is not None:
+                m.in_flight.dec()
+            m.requests.labels(self.endpoint, str(status)).inc()
+            attrs = {"status": status, "finish": reason, "completion_tokens": self.completion_tokens}
+            if usage is not None:
+                m.observe_usage(usage)
+                attrs["cached_tokens"] = usage["prompt_tokens_details"]["cached_tokens"]
+            if status == 200:
+                m.e2e.labels(self.endpoint).observe(elapsed)
+            else:
+                self.span.set_status(Status(StatusCode.ERROR, reason))
+            self.span.set_attributes(attrs)
+            self.span.end()
+            self.log.info("request done", status=status, finish=reason, duration_ms=round(elapsed * 1000, 1),
+                          completion_tokens=self.completion_tokens, **({"usage": usage} if usage else {}))

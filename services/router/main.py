@@ -1,0 +1,109 @@
+"""The router service: load the tokenizer, follow every instance's load reports, and serve the HTTP API
+with uvicorn inside the service's own event loop (stopped by ctx.stop, before the bus is drained, so
+open requests still send their Cancel / Release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+from nats.aio.msg import Msg
+
+from services.router.app import create_app
+from services.router.config import RouterConfig
+from services.router.dispatch import RouterState
+from services.router.routing import LoadTable, make_picker
+from services.router.schemas import OpenAIError
+from shared.engine.models import load_tokenizer
+from shared.messages import LoadReport
+from shared.service import ServiceContext
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its own signal handling: run_service owns SIGTERM / SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind here, so a port in use is a clear error and port 0 works (the chosen port is logged)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"router cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def build_state(config: RouterConfig, bus) -> RouterState:
+    s = config.router
+    tokenizer, max_context = await asyncio.to_thread(load_tokenizer, s.model)
+    loads = LoadTable(s.instance_timeout_s)
+    return RouterState(s, bus, tokenizer, max_context, loads, make_picker(s.routing, loads, s.session_idle_s))
+
+
+async def serve(ctx: ServiceContext) -> None:
+    config: RouterConfig = ctx.config
+    s, log = config.router, ctx.log
+    state = await build_state(config, ctx.bus)
+
+    async def on_load(report: LoadReport, _raw: Msg) -> None:
+        state.picker.update(report, state.clock())
+
+    await ctx.bus.subscribe(ctx.bus.subjects.load_all, LoadReport, on_load)
+
+    sock = _listen(s.host, s.port)
+    url = f"http://{s.host}:{sock.getsockname()[1]}"
+
+    def load_report() -> LoadReport:
+        return LoadReport(ctx.instance, "router", True, running=state.metrics.in_flight_count(),
+                          detail={"http": url})
+
+    ctx.load_report = load_report
+    server = _EmbeddedServer(uvicorn.Config(
+        create_app(state), log_config=None, access_log=False, lifespan="off", proxy_headers=False,
+        timeout_graceful_shutdown=s.graceful_shutdown_s + 3, timeout_keep_alive=30))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        sock.close()
+        task.result()  # re-raises why it could not start
+        raise RuntimeError("the HTTP server stopped during startup")
+    log.info("http listening", url=url, model=s.model_name,
+             max_context=state.context_limit, routing=s.routing, auth=bool(s.api_keys))
+
+    async def stop_http() -> None:
+        """Stop accepting; give open requests graceful_shutdown_s; then end the rest with a 503 (an SSE
+        error event mid-stream) so each still sends Cancel / Release while the bus is up."""
+        loop = asyncio.get_running_loop()
+        server.should_exit = True
+        deadline = loop.time() + s.graceful_shutdown_s
+        while state.metrics.in_flight_count() > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for dispatch in list(state.live):
+            dispatch.abort(OpenAIError(503, "the router is shutting down", code="service_unavailable"))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+        except (asyncio.TimeoutError, Exception):
+            server.force_exit = True
+            task.cancel()
+        sock.close()
+        deadline = loop.time() + 3.0  # requests uvicorn cancelled finish in the background
+        while state.metrics.in_flight_count() > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if state.metrics.in_flight_count() > 0:
+            log.warning("requests still open at shutdown", in_flight=state.metrics.in_flight_count())
+
+    ctx.on_stop.append(stop_http)
+    task.add_done_callback(lambda t: ctx.stop.set())  # the server died on its own: stop the service

@@ -1,0 +1,52 @@
+"""The router's Prometheus metrics, in a registry of its own (one per app: tests build several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+CLIENT_CLOSED = 499  # nginx's status for "client went away before the answer": used as a label only
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("moorage_router_requests", "Requests by endpoint and final HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("moorage_router_time_to_first_token_seconds",
+                              "Request arrival to first token", ["endpoint"], buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("moorage_router_request_duration_seconds",
+                             "Request arrival to last byte (successful requests)", ["endpoint"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("moorage_router_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.completion_tokens = Counter("moorage_router_completion_tokens",
+                                         "Completion tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("moorage_router_cached_tokens",
+                                     "Prompt tokens not recomputed, by where their KV came from",
+                                     ["source"], registry=r)
+        self.admission_rejections = Counter("moorage_router_admission_rejections",
+                                            "Requests the gate did not admit", ["reason"], registry=r)
+        self.in_flight = Gauge("moorage_router_in_flight_requests", "Requests being served now", registry=r)
+        for source in ("device", "store"):
+            self.cached_tokens.labels(source)
+        for reason in ("rejected", "invalid", "no_decode", "timeout"):
+            self.admission_rejections.labels(reason)
+
+    def observe_usage(self, usage: dict) -> None:
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.completion_tokens.inc(usage.get("completion_tokens", 0))
+        breakdown = usage.get("moorage") or {}
+        for source in ("device", "store"):
+            self.cached_tokens.labels(source).inc(max(0, int(breakdown.get(source, 0) or 0)))
+
+    def in_flight_count(self) -> int:
+        return int(next(iter(self.in_flight.collect())).samples[0].value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

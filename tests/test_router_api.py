@@ -1,0 +1,658 @@
+"""The router's HTTP behaviour, served for real (`python -m services.router`, model `tiny`) on a real
+nats-server, with FAKE gate / prefill / decode responders on the bus (a thread with its own loop).
+
+The fakes stand in for the services so that every path of the router can be driven: what the prefill
+"generates" is chosen by a marker in the prompt ([slow], [silent], [err-first], [err-mid], [nack]); the
+gate's answer by `fake.gate_mode`. End-to-end tests with the real services live elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.bus import Bus, BusConfig
+from shared.engine.tokenizer import ByteTokenizer
+from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, TokenChunk
+from shared.natsd import start_nats_server
+from shared.tracing import read_spans
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test"
+REQUEST_TIMEOUT_S = 2.0
+TOK = ByteTokenizer()
+USER = [{"role": "user", "content": "hello there"}]
+
+
+def wait_for(cond, timeout: float = 5.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+class FakeCluster:
+    """Fake gate, two prefill instances (which also play decode: they stream every TokenChunk) and a
+    decode load reporter, on the real bus. Everything they receive is recorded."""
+
+    PREFILLS = ("prefill-0", "prefill-1")
+
+    def __init__(self, url: str, prefix: str):
+        self.url, self.prefix = url, prefix
+        self.admits: list[tuple[AdmitRequest, dict]] = []
+        self.submits: list[tuple[str, PrefillSubmit, dict]] = []
+        self.releases: list[Release] = []
+        self.cancels: list[Cancel] = []
+        self.gate_mode = "admit"     # admit | reject | nodecode | invalid | hold
+        self.reporting = False
+        self.ready = {"gate": True, "prefill": True, "decode": True}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._tasks: set[asyncio.Task] = set()
+
+    def call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> "FakeCluster":
+        self.thread.start()
+        try:
+            self.call(self._setup())
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.call(self._teardown())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+            self.loop.close()
+
+    async def _setup(self) -> None:
+        self.bus = bus = await Bus.connect(BusConfig(url=self.url, prefix=self.prefix), "fake-cluster")
+        s = bus.subjects
+        await bus.subscribe(s.gate_admit, AdmitRequest, self._admit)
+        await bus.subscribe(s.gate_release, Release, self._record(self.releases))
+        await bus.subscribe(s.cancel_all, Cancel, self._record(self.cancels))
+        for name in self.PREFILLS:
+            await bus.subscribe(s.prefill_submit(name), PrefillSubmit, self._submit_handler(name))
+        self._spawn(self._report_loop())
+        await bus.nc.flush()
+
+    async def _teardown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.bus.close()
+
+    def _spawn(self, coro) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self, into: list):
+        async def handler(msg, _raw):
+            into.append(msg)
+        return handler
+
+    async def _report_loop(self) -> None:
+        s = self.bus.subjects
+        while True:
+            if self.reporting:
+                reports = [LoadReport("gate-0", "gate", self.ready["gate"]),
+                           LoadReport("decode-0", "decode", self.ready["decode"], capacity_tokens=100_000,
+                                      free_tokens=100_000)]
+                reports += [LoadReport(p, "prefill", self.ready["prefill"]) for p in self.PREFILLS]
+                for r in reports:
+                    await self.bus.publish(s.load(r.role, r.instance), r)
+            await asyncio.sleep(0.1)
+
+    async def _admit(self, msg: AdmitRequest, raw) -> AdmitReply | None:
+        self.admits.append((msg, dict(raw.headers or {})))
+        rid, mode = msg.request_id, self.gate_mode
+        if mode == "hold":
+            return None  # never answers: the router's admission timeout (or the client) ends it
+        if mode == "reject":
+            return AdmitReply(rid, "rejected", reason="over budget after 30 s", retry_after_s=2.5, waited_ms=30)
+        if mode == "nodecode":
+            return AdmitReply(rid, "rejected", reason="no decode instance available", retry_after_s=0.2)
+        if mode == "invalid":
+            return AdmitReply(rid, "invalid", reason="prompt + max_tokens exceed the context length of decode-0")
+        return AdmitReply(rid, "admitted", decode_instance="decode-0", waited_ms=1.5)
+
+    def _submit_handler(self, name: str):
+        async def handler(msg: PrefillSubmit, raw) -> Ack:
+            self.submits.append((name, msg, dict(raw.headers or {})))
+            text = TOK.decode(msg.prompt_ids)
+            if "[nack]" in text:
+                return Ack(msg.request_id, False, "prefill queue full")
+            self._spawn(self._generate(msg, text))
+            return Ack(msg.request_id, True)
+        return handler
+
+    async def _generate(self, msg: PrefillSubmit, text: str) -> None:
+        rid, out = msg.request_id, self.bus.subjects.request_out(msg.request_id)
+        n = len(msg.prompt_ids)
+        usage = {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": 12}, "moorage": {"device": 4, "store": 8,
+                                                                               "computed": n - 12}}
+
+        async def send(ids, piece, finished=False, reason=None, error=None):
+            u = None
+            if finished and error is None:
+                u = {**usage, "completion_tokens": sent + len(ids), "total_tokens": n + sent + len(ids)}
+            await self.bus.publish(out, TokenChunk(rid, ids, piece, finished, reason, u, error))
+
+        sent = 0
+        if "[silent]" in text:
+            return
+        if "[err-first]" in text:
+            await send([], "", True, error={"status": 503, "type": "server_error", "message": "decode lost"})
+            return
+        pieces = ["Hello", " world", "!"]
+        if "[slow]" in text:
+            pieces = ["x"] * 100
+        limit = msg.sampling["max_tokens"]
+        for i, piece in enumerate(pieces[:limit]):
+            if any(c.request_id == rid for c in self.cancels):
+                return
+            if "[err-mid]" in text and i == 2:
+                await send([], "", True, error={"status": 500, "type": "server_error", "message": "oops"})
+                return
+            last = i == min(len(pieces), limit) - 1
+            await send([100 + i], piece, last, ("length" if limit < len(pieces) else "stop") if last else None)
+            sent += 1
+            if "[slow]" in text:
+                await asyncio.sleep(0.03)
+
+    def count(self, kind: str, rid: str) -> int:
+        items = {"release": self.releases, "cancel": self.cancels}[kind]
+        return sum(1 for m in items if m.request_id == rid)
+
+    def submit_of(self, rid: str):
+        return next((name, m, h) for name, m, h in self.submits if m.request_id == rid)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_router(url: str, prefix: str, port: int, log, traces: Path, *extra: str) -> subprocess.Popen:
+    sets = [*extra, f"bus.url={url}", f"bus.prefix={prefix}", f"router.port={port}", "router.model=tiny",
+            "tracing.exporter=jsonl", f"tracing.path={traces}", f"router.api_keys={KEY}",
+            "router.instance_timeout_s=1.0", f"router.request_timeout_s={REQUEST_TIMEOUT_S}",
+            "router.admission_timeout_s=2.0", "router.max_request_tokens=4096", "load_interval_s=0.5"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.router", *[a for kv in sets for a in ("--set", kv)]],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"})  # spans flushed fast
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with contextlib.ExitStack() as stack:
+        tmp = Path(tempfile.mkdtemp(prefix="moorage-router-test-"))
+        if not os.environ.get("KEEP_ROUTER_LOG"):
+            stack.callback(shutil.rmtree, tmp, True)
+        url = os.environ.get("NATS_URL")
+        if not url:
+            nats = start_nats_server()
+            stack.callback(nats.stop)
+            url = nats.url
+        prefix = "t" + uuid.uuid4().hex[:10]  # a shared NATS_URL server never mixes test runs
+        fake = FakeCluster(url, prefix).start()
+        stack.callback(fake.stop)
+        port, log_path, traces = _free_port(), tmp / "router.log", tmp / "spans.jsonl"
+        log = stack.enter_context(open(log_path, "wb"))
+        proc = _start_router(url, prefix, port, log, traces)
+        stack.callback(_stop, proc)
+        base = f"http://127.0.0.1:{port}"
+
+        def up():
+            if proc.poll() is not None:
+                raise RuntimeError(f"router exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                return httpx.get(f"{base}/health", timeout=1.0)
+            except httpx.TransportError:
+                return None
+
+        first_health = wait_for(up, timeout=60, interval=0.1)
+        fake.reporting = True
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, timeout=5)
+        yield {"base": base, "fake": fake, "first_health": first_health, "log": log_path, "traces": traces,
+               "url": url, "prefix": prefix, "tmp": tmp}
+
+
+@pytest.fixture
+def fake(cluster) -> FakeCluster:
+    fake = cluster["fake"]
+    fake.gate_mode = "admit"
+    yield fake
+    fake.gate_mode = "admit"
+    fake.ready.update(gate=True, prefill=True, decode=True)
+
+
+@pytest.fixture
+def client(cluster) -> openai.OpenAI:
+    with openai.OpenAI(api_key=KEY, base_url=cluster["base"] + "/v1", max_retries=0, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture
+def http(cluster) -> httpx.Client:
+    with httpx.Client(base_url=cluster["base"], headers={"Authorization": f"Bearer {KEY}"}, timeout=10) as c:
+        yield c
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# ---- health, models, auth ------------------------------------------------------------------------
+def test_health_503_until_every_role_reports_then_200(cluster, fake):
+    first = cluster["first_health"]
+    assert first.status_code == 503
+    assert set(first.json()["missing"]) == {"gate", "prefill", "decode"}
+    base = cluster["base"]
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+    fake.ready["prefill"] = False
+    resp = wait_for(lambda: (r := httpx.get(f"{base}/health")).status_code == 503 and r)
+    assert resp.json()["missing"] == ["prefill"]
+    fake.ready["prefill"] = True
+    wait_for(lambda: httpx.get(f"{base}/health").status_code == 200)
+
+
+def test_models_and_api_key(cluster, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with openai.OpenAI(api_key="wrong", base_url=cluster["base"] + "/v1", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    resp = httpx.post(cluster["base"] + "/v1/chat/completions", json={"model": "tiny", "messages": USER})
+    assert assert_openai_error(resp, 401)["code"] == "invalid_api_key"
+
+
+def test_missing_key_sends_nothing_on_the_bus(cluster, fake):
+    before = len(fake.admits)
+    resp = httpx.post(cluster["base"] + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                      headers={"Authorization": "Bearer nope"})
+    assert_openai_error(resp, 401)
+    assert len(fake.admits) == before
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+def test_chat_non_streaming(client, fake):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=USER, extra_headers={"X-Session-ID": "sess-A"})
+    rid = raw.headers["x-request-id"]
+    resp = raw.parse()
+    assert resp.object == "chat.completion" and resp.id == "chatcmpl-" + rid.removeprefix("req-")
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == "Hello world!"
+    assert resp.choices[0].finish_reason == "stop"
+    prompt_ids = TOK.chat_token_ids(USER)
+    u = resp.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(prompt_ids), 3, len(prompt_ids) + 3)
+    assert u.prompt_tokens_details.cached_tokens == 12
+    assert u.model_extra["moorage"] == {"device": 4, "store": 8, "computed": len(prompt_ids) - 12}
+    _, submit, _ = fake.submit_of(rid)
+    assert submit.prompt_ids == prompt_ids and submit.session_id == "sess-A"
+    assert submit.decode_instance == "decode-0"
+    s = submit.sampling
+    assert s["max_tokens"] == 512 and s["temperature"] == 1.0 and isinstance(s["seed"], int)  # seed fixed
+    assert s["stop"] == [] and s["ignore_eos"] is False
+    admit = next(a for a, _ in fake.admits if a.request_id == rid)
+    assert (admit.prompt_tokens, admit.max_tokens) == (len(prompt_ids), 512)
+    wait_for(lambda: fake.count("release", rid) == 1)
+    time.sleep(0.1)
+    assert fake.count("release", rid) == 1 and fake.count("cancel", rid) == 0
+
+
+def test_chat_streaming_with_usage(client, fake):
+    stream = client.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello world!"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_without_usage_ends_with_done(http):
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"model": "tiny", "messages": USER, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+
+
+def test_chat_parameters_reach_the_prefill(client, fake):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "two"}]}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_completion_tokens=2, temperature=0, top_p=0.5,
+        stop=["END", "STOP"], extra_body={"ignore_eos": True, "some_future_field": {"x": 1}},
+        extra_headers={"X-Correlation-ID": "corr-1"})
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "Hello world" and resp.choices[0].finish_reason == "length"
+    _, submit, _ = fake.submit_of(raw.headers["x-request-id"])
+    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "part one, two"}]
+    assert submit.prompt_ids == TOK.chat_token_ids(flat) and submit.session_id == "corr-1"
+    assert submit.sampling == {"max_tokens": 2, "temperature": 0.0, "top_p": 0.5, "seed": None,
+                               "stop": ["END", "STOP"], "stop_token_ids": [], "ignore_eos": True}
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=7, seed=123,
+                                                           stop="x", temperature=0.7)
+    _, submit, _ = fake.submit_of(raw.headers["x-request-id"])
+    assert submit.sampling["seed"] == 123 and submit.sampling["max_tokens"] == 7 and submit.sampling["stop"] == ["x"]
+
+
+def test_same_session_sticks_to_one_prefill(client, fake):
+    owners = set()
+    for _ in range(6):
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER,
+                                                               extra_headers={"X-Session-ID": "sticky-1"})
+        owners.add(fake.submit_of(raw.headers["x-request-id"])[0])
+    assert len(owners) == 1
+
+
+def test_trace_context_rides_the_bus_and_the_span_says_what_happened(cluster, client, fake):
+    client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=USER, max_tokens=9, extra_headers={
+            "X-Session-ID": "traced", "traceparent": f"00-{client_trace}-00f067aa0ba902b7-01"})
+    rid = raw.headers["x-request-id"]
+    admit_headers = next(h for a, h in fake.admits if a.request_id == rid)
+    _, _, submit_headers = fake.submit_of(rid)
+    assert {h["traceparent"].split("-")[1] for h in (admit_headers, submit_headers)} == {client_trace}
+    span = wait_for(lambda: next((s for s in read_spans(cluster["traces"]) if s["name"] == "router.request"
+                                  and s["attributes"].get("request_id") == rid), None))
+    assert span["trace_id"] == client_trace and span["kind"] == "SERVER"
+    a = span["attributes"]
+    prompt = len(TOK.chat_token_ids(USER))
+    assert (a["session_id"], a["prompt_tokens"], a["max_tokens"], a["stream"]) == ("traced", prompt, 9, False)
+    assert (a["status"], a["completion_tokens"], a["cached_tokens"]) == (200, 3, 12) and a["ttft_ms"] > 0
+
+
+# ---- completions ---------------------------------------------------------------------------------
+def test_completions_string_and_token_ids(client, fake):
+    resp = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=5)
+    assert resp.object == "text_completion" and resp.choices[0].text == "Hello world!"
+    assert resp.usage.prompt_tokens == len(TOK.encode("def f(x):"))
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=[10, 20, 30], max_tokens=5)
+    assert raw.parse().usage.prompt_tokens == 3
+    assert fake.submit_of(raw.headers["x-request-id"])[1].prompt_ids == [10, 20, 30]
+
+
+def test_completions_streaming(client):
+    chunks = list(client.completions.create(model="tiny", prompt="abc", stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world!"
+    assert chunks[-1].usage.total_tokens == 3 + 3
+
+
+# ---- bad requests: 4xx, OpenAI-shaped, and nothing on the bus --------------------------------------
+CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+BAD = [
+    (CHAT, b"{not json", 400),
+    (CHAT, b"[1, 2]", 400),
+    (CHAT, b"", 400),
+    (CHAT, {"model": "tiny"}, 400),
+    (CHAT, {"model": "tiny", "messages": []}, 400),
+    (CHAT, {"model": "tiny", "messages": "hi"}, 400),
+    (CHAT, {"model": "tiny", "messages": [{"content": "no role"}]}, 400),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "max_tokens": 0}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "max_tokens": -5}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "max_tokens": "5"}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "max_completion_tokens": 0}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "temperature": -0.1}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "temperature": 2.5}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "temperature": "hot"}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "top_p": 0}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "top_p": 1.5}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "n": 2}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "stop": ""}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "stop": [1]}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "stream": "yes"}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "seed": 1.5}, 400),
+    (CHAT, {"model": "tiny", "messages": USER, "stream_options": {"include_usage": "y"}}, 400),
+    (CHAT, {"model": 7, "messages": USER}, 400),
+    (CHAT, {"model": "gpt-4", "messages": USER}, 404),
+    (CHAT, {"model": "tiny", "messages": USER, "max_tokens": 10_000}, 400),  # context length
+    (COMPL, {"model": "tiny", "prompt": ""}, 400),
+    (COMPL, {"model": "tiny", "prompt": []}, 400),
+    (COMPL, {"model": "tiny", "prompt": [1, 99999]}, 400),
+    (COMPL, {"model": "tiny", "prompt": ["a", "b"]}, 400),
+    (COMPL, {"model": "tiny", "prompt": {"x": 1}}, 400),
+    (COMPL, {"model": "tiny", "prompt": "x" * 4096}, 400),                   # context length
+    (COMPL, {"model": "nope", "prompt": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD,
+                         ids=[f"{i}-{p.rsplit('/', 1)[1]}-{s}" for i, (p, _, s) in enumerate(BAD)])
+def test_bad_requests_are_rejected_without_bus_traffic(http, fake, path, body, status):
+    before = (len(fake.admits), len(fake.submits), len(fake.releases), len(fake.cancels))
+    if isinstance(body, bytes):
+        resp = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        resp = http.post(path, json=body)
+    err = assert_openai_error(resp, status)
+    if status == 404:
+        assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+    time.sleep(0.05)
+    assert (len(fake.admits), len(fake.submits), len(fake.releases), len(fake.cancels)) == before
+
+
+def test_context_length_message(client, fake):
+    before = len(fake.admits)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 4000}],
+                                       max_tokens=200)
+    assert "context length" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="context length"):  # no room left even for 1 token
+        client.completions.create(model="tiny", prompt="z" * 4096)
+    assert len(fake.admits) == before
+
+
+def test_unknown_route_and_method_are_openai_errors(http):
+    assert_openai_error(http.get("/v1/nope"), 404)
+    assert_openai_error(http.get("/v1/chat/completions"), 405)
+
+
+# ---- admission ---------------------------------------------------------------------------------------
+def test_gate_rejection_is_429_with_retry_after(client, http, fake):
+    fake.gate_mode = "reject"
+    resp = http.post(CHAT, json={"model": "tiny", "messages": USER, "stream": True})
+    err = assert_openai_error(resp, 429)
+    assert resp.headers["retry-after"] == "3" and "over budget" in err["message"]
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="tiny", messages=USER)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    assert not fake.submits or all(m.request_id != fake.admits[-1][0].request_id for _, m, _ in fake.submits)
+    time.sleep(0.1)
+    assert fake.count("release", fake.admits[-1][0].request_id) == 0  # nothing was reserved
+
+
+def test_gate_without_decode_is_503_and_invalid_is_400(http, fake):
+    fake.gate_mode = "nodecode"
+    resp = http.post(COMPL, json={"model": "tiny", "prompt": "hi"})
+    assert_openai_error(resp, 503)
+    assert int(resp.headers["retry-after"]) >= 1
+    fake.gate_mode = "invalid"
+    err = assert_openai_error(http.post(COMPL, json={"model": "tiny", "prompt": "hi"}), 400)
+    assert "context length" in err["message"]
+
+
+def test_client_gone_while_queued_at_gate_releases(cluster, fake):
+    fake.gate_mode = "hold"
+    n = len(fake.admits)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster["base"] + COMPL, json={"model": "tiny", "prompt": "hi"}, timeout=0.5,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    rid = wait_for(lambda: len(fake.admits) > n and fake.admits[n][0].request_id)
+    wait_for(lambda: fake.count("release", rid) == 1)
+    time.sleep(0.3)
+    assert fake.count("release", rid) == 1 and fake.count("cancel", rid) == 0
+
+
+# ---- failures after admission --------------------------------------------------------------------------
+def test_error_before_first_token_is_an_http_error(http, fake):
+    resp = http.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "[err-first]"}],
+                                 "stream": True})
+    err = assert_openai_error(resp, 503)
+    assert err["message"] == "decode lost"
+    rid = fake.submits[-1][1].request_id
+    wait_for(lambda: fake.count("release", rid) == 1)
+    assert fake.count("cancel", rid) == 0  # the final chunk came: nothing left to cancel
+
+
+def test_error_mid_stream_is_one_error_event_then_done(http, fake):
+    with http.stream("POST", CHAT, json={"model": "tiny", "stream": True,
+                                         "messages": [{"role": "user", "content": "[err-mid]"}]}) as resp:
+        assert resp.status_code == 200
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "oops"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "Hello world"
+    rid = resp.headers["x-request-id"]
+    wait_for(lambda: fake.count("release", rid) == 1)
+
+
+def test_error_mid_non_streaming_is_http_error(http):
+    err = assert_openai_error(http.post(CHAT, json={"model": "tiny", "messages": [
+        {"role": "user", "content": "[err-mid]"}]}), 500)
+    assert err["type"] == "server_error"
+
+
+def test_prefill_refusal_is_503_and_releases(http, fake):
+    resp = http.post(COMPL, json={"model": "tiny", "prompt": "[nack]"})
+    assert_openai_error(resp, 503)
+    rid = fake.submits[-1][1].request_id
+    wait_for(lambda: fake.count("release", rid) == 1)
+
+
+def test_timeout_cancels_and_releases(http, fake):
+    t0 = time.monotonic()
+    resp = http.post(COMPL, json={"model": "tiny", "prompt": "[silent]"})
+    assert_openai_error(resp, 504)
+    assert REQUEST_TIMEOUT_S - 0.2 <= time.monotonic() - t0 < REQUEST_TIMEOUT_S + 2
+    rid = fake.submits[-1][1].request_id
+    wait_for(lambda: fake.count("release", rid) == 1 and fake.count("cancel", rid) == 1)
+
+
+@pytest.mark.parametrize("stream_path", [CHAT, COMPL])
+def test_client_disconnect_mid_stream_cancels_and_releases_once(cluster, fake, stream_path):
+    body = {"model": "tiny", "stream": True}
+    body.update({"messages": [{"role": "user", "content": "[slow]"}]} if stream_path == CHAT else {"prompt": "[slow]"})
+    with httpx.Client(base_url=cluster["base"], headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with c.stream("POST", stream_path, json=body) as resp:
+            assert resp.status_code == 200
+            rid = resp.headers["x-request-id"]
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    wait_for(lambda: fake.count("cancel", rid) == 1 and fake.count("release", rid) == 1)
+    time.sleep(0.5)
+    assert fake.count("cancel", rid) == 1 and fake.count("release", rid) == 1
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+def test_metrics(cluster, client, http, fake):
+    client.chat.completions.create(model="tiny", messages=USER)
+    fake.gate_mode = "reject"
+    http.post(COMPL, json={"model": "tiny", "prompt": "x"})
+    text = httpx.get(cluster["base"] + "/metrics").text
+
+    def value(name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+                    or line.startswith(name + "{") and line.split("} ")[0] + "}" == name)
+
+    assert value('moorage_router_requests_total{endpoint="chat",status="200"}') >= 1
+    assert value('moorage_router_requests_total{endpoint="completions",status="429"}') >= 1
+    assert value('moorage_router_admission_rejections_total{reason="rejected"}') >= 1
+    assert value('moorage_router_time_to_first_token_seconds_count{endpoint="chat"}') >= 1
+    assert value('moorage_router_request_duration_seconds_count{endpoint="chat"}') >= 1
+    assert value("moorage_router_prompt_tokens_total") > 0
+    assert value("moorage_router_completion_tokens_total") >= 3
+    assert value('moorage_router_cached_tokens_total{source="store"}') >= 8
+    assert value("moorage_router_in_flight_requests") == 0
+
+
+# ---- shutdown --------------------------------------------------------------------------------------------
+def test_sigterm_ends_open_streams_with_cancel_and_release_then_exits_0(cluster, fake):
+    port, log_path = _free_port(), cluster["tmp"] / "router2.log"
+    with open(log_path, "wb") as log:
+        proc = _start_router(cluster["url"], cluster["prefix"], port, log, cluster["tmp"] / "spans2.jsonl",
+                             "router.graceful_shutdown_s=0.3", "instance=router-1")
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_for(lambda: proc.poll() is None and _get_ok(f"{base}/health"), timeout=60, interval=0.1)
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}) as c:
+                with c.stream("POST", COMPL, json={"model": "tiny", "prompt": "[slow]", "stream": True}) as resp:
+                    rid = resp.headers["x-request-id"]
+                    lines = resp.iter_lines()
+                    next(lines)
+                    proc.send_signal(signal.SIGTERM)
+                    events = sse_events(lines)  # ended after graceful_shutdown_s with an error event
+            assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
+            assert proc.wait(10) == 0, log_path.read_text()[-3000:]
+        finally:
+            _stop(proc)
+    assert fake.count("cancel", rid) == 1 and fake.count("release", rid) == 1
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False

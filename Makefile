@@ -7,7 +7,7 @@ env:
 	@bash infra/dev-env.sh
 
 up: env
-	$(VENV)/bin/moorage generate --model smollm2-135m --chat --prompt "What is the capital of France?"
+	$(VENV)/bin/moorage up
 
 test: env
 	$(PY) -m pytest
@@ -17,3 +17,4 @@ test-fast: env
 
 bench: env
 	$(PY) -m bench.engine --out bench/results/engine.json
+	$(PY) -m bench.handoff --out bench/results/handoff.json

@@ -29,18 +29,18 @@ class PayloadTooLarge(RuntimeError):
 
 @dataclass
 class BusConfig:
-    url: str = "nats://127.0.0.1:4222"
-    prefix: str = "moorage"
-    user: str = ""
-    password: str = ""
-    token: str = ""
+    url: str = "nats://127.0.0.1:4222"  # NATS server(s) to connect to
+    prefix: str = "moorage"             # subject prefix: deployments sharing a NATS server stay apart
+    user: str = ""                      # NATS user/password auth
+    password: str = ""                  # (with user)
+    token: str = ""                     # NATS token auth
     creds_file: str = ""          # NATS decentralized auth (.creds)
     tls_ca: str = ""              # set to use TLS (with tls_cert/tls_key for mutual TLS)
-    tls_cert: str = ""
-    tls_key: str = ""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    request_timeout_s: float = 5.0
-    connect_timeout_s: float = 5.0
+    tls_cert: str = ""                  # client certificate (mutual TLS)
+    tls_key: str = ""                   # client key (mutual TLS)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger messages fail loudly: bulk data goes via Mooncake
+    request_timeout_s: float = 5.0      # default timeout of a request/reply on the bus
+    connect_timeout_s: float = 5.0      # initial connection timeout
 
 
 @dataclass(frozen=True)

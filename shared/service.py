@@ -27,8 +27,8 @@ from shared.tracing import TracingConfig, setup_tracing, shutdown_tracing
 
 @dataclass
 class LogConfig:
-    level: str = "info"
-    json: bool = True
+    level: str = "info"  # debug | info | warning | error
+    json: bool = True    # JSON lines on stderr (false: human-readable console output)
 
 
 @dataclass

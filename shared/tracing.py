@@ -33,11 +33,11 @@ EXPORTERS = ("jsonl", "otlp-grpc", "otlp-http", "none")
 
 @dataclass
 class TracingConfig:
-    exporter: str = "jsonl"  # one of EXPORTERS
+    exporter: str = "jsonl"  # jsonl | otlp-grpc | otlp-http | none
     endpoint: str = ""  # OTLP: http://127.0.0.1:4317 (grpc) or http://127.0.0.1:4318/v1/traces (http)
-    path: str = "moorage-traces.jsonl"  # jsonl
+    path: str = "moorage-traces.jsonl"  # the jsonl exporter's file (several services may share it)
     headers: dict[str, str] = field(default_factory=dict)  # OTLP auth
-    sample_ratio: float = 1.0
+    sample_ratio: float = 1.0  # share of new traces recorded (children follow their parent)
 
 
 class JsonLinesSpanExporter(SpanExporter):

@@ -36,7 +36,7 @@ class TransferConfig:
     """The `transfer` section of prefill and decode configs."""
     hostname: str = "127.0.0.1"         # address peers reach this engine on
     protocol: str = "tcp"               # "rdma" on clusters
-    metadata_server: str = "P2PHANDSHAKE"
+    metadata_server: str = "P2PHANDSHAKE"  # or an etcd/http metadata server URL
     device_name: str = ""               # RDMA NIC(s), e.g. "mlx5_0"
     slot_bytes: int = DEFAULT_SLOT_BYTES  # largest single write; decode's landing slot size
     slots: int = 8                      # decode: landing slots; prefill: staging buffers

@@ -37,12 +37,12 @@ STATE_FILE = "up.json"
 
 @dataclass
 class UpSettings:
-    model: str = "smollm2-135m"
+    model: str = "smollm2-135m"       # served by prefill and decode, tokenized by the router
     host: str = "127.0.0.1"           # router bind address (loopback unless you mean it)
-    port: int = 8000
+    port: int = 8000                  # router port
     nats_url: str = ""                # empty: start an embedded nats-server on a free loopback port
     run_dir: str = ".moorage"         # configs, logs, traces, state for `moorage status`
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = 300.0    # give up if /health is not 200 by then
 
 
 @dataclass

@@ -15,8 +15,8 @@ ROUTING_POLICIES = ("sticky", "p2c")  # "cache-aware" plugs into routing.POLICIE
 
 @dataclass
 class RouterSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"           # bind address: loopback unless you mean it (then set api_keys)
+    port: int = 8000                   # HTTP port
     model: str = "smollm2-135m"        # tokenizer + context length; what /v1/models lists
     served_model_name: str = ""        # the name clients send; "" = model
     api_keys: list[str] = field(default_factory=list)  # non-empty: require `Authorization: Bearer <key>`
@@ -26,7 +26,7 @@ class RouterSettings:
     admission_timeout_s: float = 40.0  # bus timeout for the gate's reply: above the gate's own wait
     submit_timeout_s: float = 10.0     # bus timeout for the prefill's Ack
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
-    routing: str = "sticky"            # one of ROUTING_POLICIES
+    routing: str = "sticky"            # sticky (session owner, then power of two on load) | p2c
     instance_timeout_s: float = 5.0    # a load report older than this: the instance is gone
     graceful_shutdown_s: float = 5.0   # open streams get this long to finish on shutdown
 

@@ -35,12 +35,12 @@ class EngineConfig:
     num_blocks: int = 1024            # KV capacity = num_blocks * block_size tokens
     stages: int = 1                   # pipeline stages the KV pool is split into
     max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
-    max_num_seqs: int = 32
-    device: str = "cpu"
+    max_num_seqs: int = 32            # sequences running at once (continuous batching width)
+    device: str = "cpu"               # torch device
     dtype: str = "float32"            # compute dtype
     kv_dtype: str | None = None       # defaults to dtype
-    enable_prefix_cache: bool = True
-    tenant_salt: str = ""
+    enable_prefix_cache: bool = True  # reuse full blocks of earlier prompts from device memory
+    tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
 
 

@@ -63,11 +63,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin in (list, tuple, dict):
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                parsed = json.loads(value)
             except json.JSONDecodeError:
-                if origin is dict:
-                    raise ConfigError(f"{where}: expected a JSON object, got {value!r}") from None
-                value = [v.strip() for v in value.split(",") if v.strip()]
+                parsed = None
+            if origin is dict:
+                if not isinstance(parsed, dict):
+                    raise ConfigError(f"{where}: expected a JSON object, got {value!r}")
+                value = parsed
+            else:  # a JSON list, else comma-separated items ("12345" is one item, not a number)
+                value = parsed if isinstance(parsed, list) else [v.strip() for v in value.split(",") if v.strip()]
         if origin is dict:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a table, got {value!r}")

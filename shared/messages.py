@@ -76,7 +76,8 @@ class Message:
             raise MessageError(f"{cls.__name__}: expected a map")
         if data.get("kind") != cls.KIND:
             raise MessageError(f"expected a {cls.KIND!r} message, got {data.get('kind')!r}")
-        if not isinstance(data.get("v"), int) or data["v"] > SCHEMA_VERSION:
+        v = data.get("v")
+        if type(v) is not int or not 1 <= v <= SCHEMA_VERSION:
             raise MessageError(f"{cls.KIND}: unsupported schema version {data.get('v')!r}")
         return cls.from_dict(data)
 
@@ -218,7 +219,7 @@ def decode_any(raw: bytes) -> Message:
         kind = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("kind")
     except Exception as e:
         raise MessageError(f"not a moorage message: {e}") from None
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise MessageError(f"unknown message kind {kind!r}")
     return KINDS[kind].decode(raw)
 

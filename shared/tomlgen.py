@@ -13,11 +13,11 @@ def _value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
 
 

@@ -99,6 +99,7 @@ class FakeCluster:
             await bus.subscribe(s.prefill_submit(name), PrefillSubmit, self._submit_handler(name))
         self._spawn(self._report_loop())
         await bus.nc.flush()
+        await bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
 
     async def _teardown(self) -> None:
         for t in list(self._tasks):

@@ -19,10 +19,11 @@ BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 def _comments(cls) -> dict[str, str]:
     out = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+)\s*:[^=]+=.*?#\s*(.+)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # subclasses override
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"\s+(\w+)\s*:[^=]+=.*?#\s*(.+)$", line)
+            if m:
+                out[m.group(1)] = m.group(2).strip()
     return out
 
 
@@ -40,6 +41,7 @@ def _table(cls, prefix: str) -> list[str]:
 
 def reference() -> str:
     from services.gate.config import GateSettings
+    from services.prefill.config import PoolSettings
     from services.router.config import RouterSettings
     from shared.bus import BusConfig
     from shared.engine.engine import EngineConfig
@@ -62,6 +64,7 @@ def reference() -> str:
         ("Gate: `[gate]`", GateSettings, "gate."),
         ("Prefill and decode: `[engine]`", EngineConfig, "engine."),
         ("Prefill and decode: `[transfer]`", TransferConfig, "transfer."),
+        ("Prefill: `[pool]` (the shared KV pool connector)", PoolSettings, "pool."),
         ("`moorage up`: `[up]` (each service's keys go under its name, e.g. `prefill.engine.num_blocks`)",
          UpSettings, "up."),
     ]

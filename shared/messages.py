@@ -238,3 +238,9 @@ def make_usage(prompt_tokens: int, completion_tokens: int, sources: dict) -> dic
 
 def error_info(status: int, message: str, type_: str = "server_error") -> dict:
     return {"status": status, "type": type_, "message": message}
+
+
+def kv_event_dict(event) -> dict:
+    """A shared.kv_events event as it travels in KVEventBatch (token ids stay home: routers need hashes)."""
+    kind = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}[type(event).__name__]
+    return {"type": kind, "hashes": list(getattr(event, "block_hashes", [])), "medium": event.medium}

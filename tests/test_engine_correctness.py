@@ -181,3 +181,25 @@ def test_context_and_capacity_limits(tiny):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("c", [10**6], SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_pinned_blocks_survive_until_admission_and_are_released(tiny):
+    """What a pool restore does: blocks registered and pinned before the request is queued are matched
+    at admission and then handed back; a rejected request releases them too."""
+    prompt = _long_prompt(tiny, 100)
+    engine = Engine(tiny, EngineConfig(num_blocks=16))
+    [first] = engine.generate([prompt], SamplingParams(max_tokens=1))
+    bm = engine.block_manager
+    pinned = bm.match_prefix(prompt).block_ids
+    bm.acquire(pinned)
+    seq = engine.add_request("p", prompt, SamplingParams(max_tokens=4, ignore_eos=True), pinned_blocks=pinned,
+                             restored_range=(0, 64))
+    while not seq.is_finished:
+        engine.step()
+    assert seq.num_device_cached == len(pinned) * 16 and seq.num_store_tokens == 64
+    bm.check_integrity()
+    assert bm.num_free_blocks == 16
+    bm.acquire(pinned)
+    with pytest.raises(ValueError):
+        engine.add_request("q", prompt, SamplingParams(max_tokens=10**6), pinned_blocks=pinned)
+    assert bm.num_free_blocks == 16

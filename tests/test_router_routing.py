@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from services.router.routing import LoadTable, PowerOfTwo, make_picker
+from services.router.config import ROUTING_POLICIES, RouterSettings
+from services.router.routing import POLICIES, LoadTable, PowerOfTwo, make_picker
 from shared.messages import LoadReport
 
 
@@ -14,7 +15,10 @@ def report(instance: str, ready: bool = True, queued: int = 0, running: int = 0,
     return LoadReport(instance, role, ready, queued_tokens=queued, running=running)
 
 
-def picker(policy: str = "sticky", idle: float = 60.0, timeout: float = 5.0, seed: int = 0):
+STICKY_POLICIES = ["cache-aware", "sticky"]  # both start with the session owner
+
+
+def picker(policy: str = "cache-aware", idle: float = 60.0, timeout: float = 5.0, seed: int = 0):
     loads = LoadTable(timeout)
     return make_picker(policy, loads, idle, random.Random(seed))
 
@@ -31,8 +35,9 @@ def test_no_candidates_none():
     assert p.pick("s", 0.0) is None
 
 
-def test_sticky_keeps_owner_even_when_busier():
-    p = picker()
+@pytest.mark.parametrize("policy", STICKY_POLICIES)
+def test_sticky_keeps_owner_even_when_busier(policy):
+    p = picker(policy)
     feed(p, 0.0, report("a"), report("b"))
     first = p.pick("sess", 0.0)
     other = "b" if first == "a" else "a"
@@ -40,16 +45,18 @@ def test_sticky_keeps_owner_even_when_busier():
     assert all(p.pick("sess", 1.0 + i / 10) == first for i in range(20))
 
 
-def test_sessions_are_independent_and_anonymous_requests_do_not_stick():
-    p = picker()
+@pytest.mark.parametrize("policy", STICKY_POLICIES)
+def test_sessions_are_independent_and_anonymous_requests_do_not_stick(policy):
+    p = picker(policy)
     feed(p, 0.0, report("a"), report("b"))
     p.pick("s1", 0.0)
     p.pick(None, 0.0)
     assert set(p.sticky.sessions) == {"s1"}
 
 
-def test_idle_expiry_lets_load_decide_again():
-    p = picker(idle=10.0)
+@pytest.mark.parametrize("policy", STICKY_POLICIES)
+def test_idle_expiry_lets_load_decide_again(policy):
+    p = picker(policy, idle=10.0)
     feed(p, 0.0, report("a"), report("b"))
     owner = p.pick("sess", 0.0)
     other = "b" if owner == "a" else "a"
@@ -60,8 +67,9 @@ def test_idle_expiry_lets_load_decide_again():
     assert p.sticky.owner("sess", 19.5) == other  # and the session moves there
 
 
-def test_expired_sessions_are_swept():
-    p = picker(idle=10.0)
+@pytest.mark.parametrize("policy", STICKY_POLICIES)
+def test_expired_sessions_are_swept(policy):
+    p = picker(policy, idle=10.0)
     feed(p, 0.0, report("a"))
     for i in range(50):
         p.pick(f"s{i}", 0.0)
@@ -70,9 +78,10 @@ def test_expired_sessions_are_swept():
     assert list(p.sticky.sessions) == ["late"]
 
 
+@pytest.mark.parametrize("policy", STICKY_POLICIES)
 @pytest.mark.parametrize("how", ["stale", "not_ready"])
-def test_failover_when_owner_goes_away(how):
-    p = picker(timeout=5.0)
+def test_failover_when_owner_goes_away(how, policy):
+    p = picker(policy, timeout=5.0)
     feed(p, 0.0, report("a"), report("b"))
     owner = p.pick("sess", 0.0)
     other = "b" if owner == "a" else "a"
@@ -136,3 +145,10 @@ def test_load_table_forgets_long_silent_instances():
     loads.update(report("new"), 100.0)
     assert loads.get("prefill", "old") is None
     assert [v.instance for v in loads.fresh("prefill", 100.0)] == ["new"]
+
+
+def test_default_policy_is_cache_aware_and_every_configured_policy_exists():
+    assert RouterSettings().routing == "cache-aware"
+    assert set(ROUTING_POLICIES) == set(POLICIES)
+    assert make_picker("cache-aware", LoadTable(5.0), 60.0).index is not None
+    assert make_picker("sticky", LoadTable(5.0), 60.0).index is None

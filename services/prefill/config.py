@@ -6,9 +6,18 @@ from dataclasses import dataclass, field
 
 from shared.bus import BusConfig
 from shared.engine.engine import EngineConfig
+from shared.pool import PoolConfig
 from shared.service import LogConfig
 from shared.tracing import TracingConfig
 from shared.transfer import TransferConfig
+
+
+@dataclass
+class PoolSettings(PoolConfig):
+    enabled: bool = False                  # restore from and save to the shared KV pool (needs master + stores)
+    min_restore_tokens: int = 512          # restore only when at least this many prompt tokens would come from the pool
+    restore_batch_chunks: int = 4          # chunks per batched read (sizes the registered restore buffer)
+    save: bool = True                      # save each new full prompt chunk after prefill (async)
 
 
 @dataclass
@@ -20,3 +29,4 @@ class PrefillConfig:
     log: LogConfig = field(default_factory=LogConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    pool: PoolSettings = field(default_factory=PoolSettings)

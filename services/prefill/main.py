@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Status, StatusCode
 
-from services.prefill.handoff import HandoffFailed, HandoffSender
+from services.prefill.events import KVEventPublisher
+from services.prefill.handoff import HandoffSender
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.models import load_model
@@ -29,8 +30,9 @@ tracer = get_tracer("moorage.prefill")
 class Pending:
     submit: PrefillSubmit
     trace_ctx: object
-    seq: Sequence
+    seq: Sequence | None = None          # None while its history is being restored from the pool
     handoff: asyncio.Task | None = None
+    cancelled: bool = False
 
 
 class PrefillService:
@@ -38,7 +40,15 @@ class PrefillService:
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
         self.loop = EngineLoop(engine, self.on_outputs)
         self.pending: dict[str, Pending] = {}
+        self.pool = None  # PoolConnector when the shared pool is enabled
+        self.tasks: set[asyncio.Task] = set()
         self.log = ctx.log
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     # ---- bus handlers ------------------------------------------------------------------------------
     async def on_submit(self, msg: PrefillSubmit, raw) -> Ack:
@@ -46,29 +56,51 @@ class PrefillService:
             return Ack(msg.request_id, False, "duplicate request id")
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            seq = await self.loop.call(lambda: self.engine.add_request(
-                msg.request_id, msg.prompt_ids, params, prefill_only=True))
+            self.engine.check_request(msg.prompt_ids, params)
         except (ValueError, TypeError) as e:
             return Ack(msg.request_id, False, str(e))
-        self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw), seq)
+        p = self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw))
+        self._spawn(self._admit(p, params))  # ack now: a restore may take longer than the router waits
         return Ack(msg.request_id, True)
+
+    async def _admit(self, p: Pending, params: SamplingParams) -> None:
+        rid, prompt = p.submit.request_id, p.submit.prompt_ids
+        restored = None
+        if self.pool is not None:
+            try:
+                restored = await self.pool.restore(rid, prompt, p.trace_ctx)
+            except Exception as e:  # the pool is an optimisation: compute instead
+                self.log.warning("restore failed, computing instead", request_id=rid, error=str(e))
+        pinned = restored.pinned if restored else []
+        if p.cancelled:
+            await self.loop.call(lambda: self.engine.block_manager.release(reversed(pinned)))
+            return
+        try:
+            p.seq = await self.loop.call(lambda: self.engine.add_request(
+                rid, prompt, params, prefill_only=True, pinned_blocks=pinned,
+                restored_range=restored.token_range if restored else (0, 0)))
+        except ValueError as e:
+            self.pending.pop(rid, None)
+            await self._fail(rid, 400, str(e))
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         p = self.pending.get(msg.request_id)
         if p is None:
             return
+        p.cancelled = True
         if p.handoff is not None:
             p.handoff.cancel()  # its finally releases the blocks
         else:
             self.pending.pop(msg.request_id, None)
-            await self.loop.call(lambda: self.engine.abort(msg.request_id))
+            if p.seq is not None:  # else still restoring: _admit sees `cancelled` and lets go
+                await self.loop.call(lambda: self.engine.abort(msg.request_id))
         self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
     # ---- engine outputs ----------------------------------------------------------------------------
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             p = self.pending.get(out.request_id)
-            if p is None:
+            if p is None or p.seq is None:
                 continue
             self._trace_compute(p)
             sources = self._sources(p.seq)
@@ -77,14 +109,27 @@ class PrefillService:
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
                 out.request_id, out.new_token_ids, out.text_delta, finished_here,
                 out.finish_reason if finished_here else None, usage))
+            if self.pool is not None and self.pool.settings.save and out.finished:
+                self._start_save(p)
             if finished_here:
                 self.pending.pop(out.request_id, None)
             elif out.finish_reason == "prefilled":
-                p.handoff = asyncio.create_task(self._handoff(p, sources))
+                p.handoff = self._spawn(self._handoff(p, sources))
+
+    def _start_save(self, p: Pending) -> None:
+        """Runs between steps, so the blocks are still ours to reference (even if the sequence just
+        finished and released them to the cache)."""
+        try:
+            blocks = self.pool.hold_for_save(p.seq.prompt_ids, p.seq.block_table)
+        except ValueError:  # a block already went back to the plain free pool: nothing to save
+            return
+        if blocks:
+            self._spawn(self.pool.save(p.seq.request_id, p.seq.prompt_ids, blocks, p.trace_ctx))
 
     def _sources(self, seq: Sequence) -> dict:
-        device = seq.num_device_cached
-        return {"device": device, "store": 0, "computed": len(seq.prompt_ids) - device}
+        store = seq.num_store_tokens
+        device = seq.num_device_cached - store
+        return {"device": device, "store": store, "computed": len(seq.prompt_ids) - device - store}
 
     def _trace_compute(self, p: Pending) -> None:
         seq = p.seq
@@ -93,7 +138,7 @@ class PrefillService:
         queue.end(end_time=seq.first_scheduled_ns or seq.first_token_ns)
         compute = tracer.start_span("prefill.compute", context=p.trace_ctx, start_time=seq.first_scheduled_ns)
         compute.set_attributes({"request_id": seq.request_id, "prompt_tokens": len(seq.prompt_ids),
-                                "tokens_reused": seq.num_device_cached,
+                                "tokens_reused": seq.num_device_cached, "tokens_from_store": seq.num_store_tokens,
                                 "tokens_computed": len(seq.prompt_ids) - seq.num_device_cached})
         compute.end(end_time=seq.first_token_ns)
 
@@ -131,27 +176,43 @@ class PrefillService:
         return LoadReport(self.ctx.instance, "prefill", True, e.kv_capacity_tokens,
                           e.block_manager.num_free_blocks * e.layout.block_size, len(e.scheduler.running),
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
-                          {"handoffs": sum(p.handoff is not None for p in self.pending.values())})
+                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()),
+                           "kv_namespace": e.namespace, "block_size": e.layout.block_size,
+                           "pool": dict(self.pool.counters) if self.pool else None})
 
     async def stop(self) -> None:
-        for p in list(self.pending.values()):
-            if p.handoff:
-                p.handoff.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.loop.stop()
 
 
 async def serve(ctx: ServiceContext) -> None:
     cfg = ctx.config
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
-    engine = Engine(loaded, cfg.engine)
+    events = KVEventPublisher(ctx.bus, ctx.instance)
+    engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
     svc = PrefillService(ctx, engine, sender)
+    if cfg.pool.enabled:
+        from services.prefill.pool import PoolConnector
+        from shared.pool import PoolClient
+
+        client = await asyncio.to_thread(PoolClient, cfg.pool)
+
+        async def saved(digests: list[bytes]) -> None:
+            events.emit_store(digests)
+
+        svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved)
+        ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()
+    events.start()
     s = ctx.bus.subjects
     on_bad = lambda e, raw: Ack("", False, str(e))  # noqa: E731
     await ctx.bus.subscribe(s.prefill_submit(ctx.instance), PrefillSubmit, svc.on_submit, on_error=on_bad)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first
+    ctx.on_stop.append(events.stop)
     ctx.on_stop.append(svc.stop)

@@ -10,7 +10,7 @@ from shared.config import ConfigError
 from shared.service import LogConfig
 from shared.tracing import TracingConfig
 
-ROUTING_POLICIES = ("sticky", "p2c")  # "cache-aware" plugs into routing.POLICIES later
+ROUTING_POLICIES = ("cache-aware", "sticky", "p2c")  # routing.POLICIES
 
 
 @dataclass
@@ -26,13 +26,17 @@ class RouterSettings:
     admission_timeout_s: float = 40.0  # bus timeout for the gate's reply: above the gate's own wait
     submit_timeout_s: float = 10.0     # bus timeout for the prefill's Ack
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
-    routing: str = "sticky"            # sticky (session owner, then power of two on load) | p2c
+    routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
+    cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit
     instance_timeout_s: float = 5.0    # a load report older than this: the instance is gone
     graceful_shutdown_s: float = 5.0   # open streams get this long to finish on shutdown
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"router.routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.cache_aware_max_imbalance_tokens < 0:
+            raise ConfigError("router.cache_aware_max_imbalance_tokens must not be negative, "
+                              f"got {self.cache_aware_max_imbalance_tokens}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router.port must be in [0, 65535], got {self.port}")
         if self.default_max_tokens < 1:

@@ -79,6 +79,12 @@ class Dispatch:
             raise OpenAIError(503, "no prefill instance available", code="service_unavailable",
                               headers={"Retry-After": "1"})
         self.span.set_attribute("prefill_instance", self.prefill)
+        decision = self.state.picker.last
+        if decision is not None and decision.instance == self.prefill:
+            self.state.metrics.observe_route(decision)
+            self.span.set_attribute("routing_reason", decision.reason)
+            if decision.resident_tokens is not None:
+                self.span.set_attribute("resident_prefix_tokens", decision.resident_tokens)
         self._must_release = True  # from here on the gate may reserve for us, even if its reply is lost
         with trace.use_span(self.span, end_on_exit=False):
             try:

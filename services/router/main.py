@@ -18,7 +18,7 @@ from services.router.dispatch import RouterState
 from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
 from shared.engine.models import load_tokenizer
-from shared.messages import LoadReport
+from shared.messages import KVEventBatch, LoadReport
 from shared.service import ServiceContext
 
 
@@ -49,7 +49,11 @@ async def build_state(config: RouterConfig, bus) -> RouterState:
     s = config.router
     tokenizer, max_context = await asyncio.to_thread(load_tokenizer, s.model)
     loads = LoadTable(s.instance_timeout_s)
-    return RouterState(s, bus, tokenizer, max_context, loads, make_picker(s.routing, loads, s.session_idle_s))
+    picker = make_picker(s.routing, loads, s.session_idle_s, max_imbalance_tokens=s.cache_aware_max_imbalance_tokens)
+    state = RouterState(s, bus, tokenizer, max_context, loads, picker)
+    if picker.index is not None:
+        state.metrics.watch_index(picker.index)
+    return state
 
 
 async def serve(ctx: ServiceContext) -> None:
@@ -61,6 +65,20 @@ async def serve(ctx: ServiceContext) -> None:
         state.picker.update(report, state.clock())
 
     await ctx.bus.subscribe(ctx.bus.subjects.load_all, LoadReport, on_load)
+
+    index = state.picker.index
+    if index is not None:  # cache-aware routing: mirror every prefill's KV events (advisory)
+        events = state.metrics.kv_events
+
+        async def on_kv_events(batch: KVEventBatch, _raw: Msg) -> None:
+            bad = index.apply(batch.instance, batch.events)
+            events.labels("applied").inc(len(batch.events) - bad if isinstance(batch.events, list) else 0)
+            events.labels("malformed").inc(bad)
+
+        def on_bad_batch(_error: Exception, _raw: Msg) -> None:
+            events.labels("malformed").inc()
+
+        await ctx.bus.subscribe(ctx.bus.subjects.kv_events("*"), KVEventBatch, on_kv_events, on_error=on_bad_batch)
 
     sock = _listen(s.host, s.port)
     url = f"http://{s.host}:{sock.getsockname()[1]}"

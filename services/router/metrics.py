@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+_PREFIX_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 CLIENT_CLOSED = 499  # nginx's status for "client went away before the answer": used as a label only
@@ -33,6 +34,22 @@ class RouterMetrics:
         self.admission_rejections = Counter("moorage_router_admission_rejections",
                                             "Requests the gate did not admit", ["reason"], registry=r)
         self.in_flight = Gauge("moorage_router_in_flight_requests", "Requests being served now", registry=r)
+        self.routed = Counter("moorage_router_routed", "Prefill choices by what decided them", ["reason"],
+                              registry=r)
+        self.resident_prefix = Histogram("moorage_router_resident_prefix_tokens",
+                                         "Prompt tokens the chosen prefill holds in device memory, per the KV "
+                                         "index (when cache-aware routing looked)", buckets=_PREFIX_BUCKETS,
+                                         registry=r)
+        self.kv_events = Counter("moorage_router_kv_events", "KV lifecycle events received, by outcome",
+                                 ["result"], registry=r)
+        self.kv_index_blocks = Gauge("moorage_router_kv_index_blocks",
+                                     "Device blocks the KV index believes resident, all prefills", registry=r)
+        self.kv_store_chunks = Gauge("moorage_router_kv_store_chunks",
+                                     "Store chunks the KV index has seen saved and not removed", registry=r)
+        for reason in ("sticky", "cache", "load"):
+            self.routed.labels(reason)
+        for result in ("applied", "malformed"):
+            self.kv_events.labels(result)
         for source in ("device", "store"):
             self.cached_tokens.labels(source)
         for reason in ("rejected", "invalid", "no_decode", "timeout"):
@@ -44,6 +61,19 @@ class RouterMetrics:
         breakdown = usage.get("moorage") or {}
         for source in ("device", "store"):
             self.cached_tokens.labels(source).inc(max(0, int(breakdown.get(source, 0) or 0)))
+
+    def observe_route(self, decision) -> None:
+        """A routing.Decision (None: nothing chosen)."""
+        if decision is None:
+            return
+        self.routed.labels(decision.reason).inc()
+        if decision.resident_tokens is not None:
+            self.resident_prefix.observe(decision.resident_tokens)
+
+    def watch_index(self, index) -> None:
+        """Read the KV index's sizes at scrape time."""
+        self.kv_index_blocks.set_function(lambda: index.total_blocks)
+        self.kv_store_chunks.set_function(lambda: index.store_chunks)
 
     def in_flight_count(self) -> int:
         return int(next(iter(self.in_flight.collect())).samples[0].value)

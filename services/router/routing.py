@@ -6,11 +6,15 @@ strategies over the fresh, ready prefill instances; the first that names one win
 
 - `Sticky`: the session's previous prefill (its history is in that instance's device cache), unless the
   session has been idle longer than `session_idle_s` or that instance is gone / not ready (failover).
+- `CacheAware`: the instance with the longest resident prefix of the prompt, per the `KVIndex` mirrored
+  from KV events (block hashes under each instance's own `kv_namespace`), unless it holds none or its
+  queued tokens exceed the least loaded candidate's by more than `max_imbalance_tokens`.
 - `PowerOfTwo`: two distinct instances drawn at random, the less loaded wins (queued prompt tokens,
   then running, then waiting requests). Always answers when there is a candidate.
 
-A cache-aware strategy (longest resident prefix from KV events) slots in between: it is one more
-callable `(candidates, PickRequest) -> instance | None`, registered in POLICIES.
+Policies (POLICIES): "cache-aware" = sticky -> cache-aware -> p2c; "sticky" = sticky -> p2c; "p2c".
+The picker forgets an instance's index entries when its report goes stale or not ready or names another
+namespace: events are advisory, so an index that missed some only routes less well, never wrongly.
 """
 
 from __future__ import annotations
@@ -19,8 +23,19 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from services.router.kv_index import KVIndex
+from shared.hashing import BLOCK_TOKENS, chain_hashes, namespace_seed
 from shared.messages import LoadReport
+
+DEFAULT_MAX_IMBALANCE_TOKENS = 16384
+
+
+def kv_namespace(report: LoadReport) -> str:
+    """The namespace a prefill's block hashes are chained under ("" when it does not say)."""
+    ns = report.detail.get("kv_namespace") if isinstance(report.detail, dict) else None
+    return ns if isinstance(ns, str) else ""
 
 
 @dataclass
@@ -35,6 +50,7 @@ class InstanceLoad:
     free_tokens: int = 0
     capacity_tokens: int = 0
     assigned_tokens: int = 0       # prompt tokens routed here since that report (not in it yet)
+    kv_namespace: str = ""         # seeds the block hash chain of this instance's KV events
 
     @property
     def load_key(self) -> tuple[int, int, int]:
@@ -51,7 +67,7 @@ class LoadTable:
     def update(self, report: LoadReport, now: float) -> None:
         self._loads[(report.role, report.instance)] = InstanceLoad(
             report.instance, report.role, report.ready, now, report.queued_tokens, report.running,
-            report.waiting, report.free_tokens, report.capacity_tokens)
+            report.waiting, report.free_tokens, report.capacity_tokens, kv_namespace=kv_namespace(report))
         # forget instances silent for long (they may be gone for good): keeps the table bounded
         horizon = now - 10 * self.instance_timeout_s
         for key in [k for k, v in self._loads.items() if v.seen_at < horizon]:
@@ -77,7 +93,16 @@ class PickRequest:
     session_id: str | None
     now: float
     prompt_tokens: int = 0
-    prompt_ids: Sequence[int] = ()   # for a cache-aware strategy (chunk hashes)
+    prompt_ids: Sequence[int] = ()   # for the cache-aware strategy (block hashes)
+    resident: dict[str, int] | None = None  # set by CacheAware: resident prefix blocks per instance
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the latest pick chose and why (for metrics and the request's span)."""
+    instance: str
+    reason: str                         # sticky | cache | load
+    resident_tokens: int | None = None  # the chosen instance's resident prefix, when CacheAware ran
 
 
 Strategy = Callable[[Sequence[InstanceLoad], PickRequest], "str | None"]
@@ -86,6 +111,7 @@ Strategy = Callable[[Sequence[InstanceLoad], PickRequest], "str | None"]
 @dataclass
 class Sticky:
     """session -> (instance, last used), forgotten after `idle_s` without a request."""
+    reason: ClassVar[str] = "sticky"
     idle_s: float
     sessions: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
 
@@ -112,8 +138,63 @@ class Sticky:
         return entry[0] if entry is not None and now - entry[1] <= self.idle_s else None
 
 
+class _PromptChain:
+    """The prompt's block hashes under one seed, computed only as far as some instance may hold them."""
+
+    def __init__(self, prompt_ids: Sequence[int], seed: bytes):
+        self.prompt_ids, self.seed = prompt_ids, seed
+        self.hashes: list[bytes] = []
+        self.total = len(prompt_ids) // BLOCK_TOKENS
+
+    def extend(self) -> bool:
+        have = len(self.hashes)
+        if have >= self.total:
+            return False
+        want = min(self.total, max(8, 4 * have))
+        self.hashes += chain_hashes(self.prompt_ids[have * BLOCK_TOKENS: want * BLOCK_TOKENS], BLOCK_TOKENS,
+                                    self.seed, prev=self.hashes[-1] if self.hashes else None)
+        return True
+
+
+@dataclass
+class CacheAware:
+    """The candidate with the longest resident prefix (ties: the less loaded), if it is not overloaded."""
+    reason: ClassVar[str] = "cache"
+    index: KVIndex
+    max_imbalance_tokens: int = DEFAULT_MAX_IMBALANCE_TOKENS
+
+    def resident(self, candidates: Sequence[InstanceLoad], req: PickRequest) -> dict[str, int]:
+        """Resident prefix blocks of the prompt per candidate that the index knows anything about."""
+        chains: dict[str, _PromptChain] = {}  # one chain per namespace within this pick
+        out: dict[str, int] = {}
+        for c in candidates:
+            if not c.kv_namespace or not self.index.blocks(c.instance):
+                continue
+            chain = chains.get(c.kv_namespace)
+            if chain is None:
+                chain = chains[c.kv_namespace] = _PromptChain(req.prompt_ids, namespace_seed(c.kv_namespace))
+            n = 0
+            while True:
+                n = self.index.longest_prefix(c.instance, chain.hashes, n)
+                if n < len(chain.hashes) or not chain.extend():
+                    break
+            out[c.instance] = n
+        return out
+
+    def __call__(self, candidates: Sequence[InstanceLoad], req: PickRequest) -> str | None:
+        resident = req.resident = self.resident(candidates, req)
+        if not any(resident.values()):
+            return None
+        best = min(candidates, key=lambda c: (-resident.get(c.instance, 0), c.load_key, c.instance))
+        floor = min(c.load_key[0] for c in candidates)
+        if best.load_key[0] - floor > self.max_imbalance_tokens:
+            return None  # the cache is not worth that queue: let load decide
+        return best.instance
+
+
 @dataclass
 class PowerOfTwo:
+    reason: ClassVar[str] = "load"
     rng: random.Random = field(default_factory=random.Random)
 
     def __call__(self, candidates: Sequence[InstanceLoad], req: PickRequest) -> str | None:
@@ -128,13 +209,39 @@ class PowerOfTwo:
 class PrefillPicker:
     """Runs the strategy chain over fresh, ready prefill instances; records the session's choice."""
 
-    def __init__(self, loads: LoadTable, strategies: Sequence[Strategy], sticky: Sticky | None = None):
+    def __init__(self, loads: LoadTable, strategies: Sequence[Strategy], sticky: Sticky | None = None,
+                 index: KVIndex | None = None):
         self.loads = loads
         self.strategies = list(strategies)
         self.sticky = sticky
+        self.index = index
+        self.last: Decision | None = None
+        self._unreported: dict[str, float] = {}  # indexed instances without a report yet: since when
 
     def update(self, report: LoadReport, now: float) -> None:
+        if self.index is not None:
+            if report.role == "prefill":
+                old = self.loads.get("prefill", report.instance)
+                if not report.ready or (old is not None and old.kv_namespace != kv_namespace(report)):
+                    self.index.forget(report.instance)
+            self.forget_gone(now)  # before the table drops long-silent instances
         self.loads.update(report, now)
+
+    def forget_gone(self, now: float) -> None:
+        """Forget the index entries of instances whose report is stale or not ready (their events may have
+        been missed, or their cache is gone), or that never reported within instance_timeout_s."""
+        timeout, unreported = self.loads.instance_timeout_s, {}
+        for instance in self.index.instances():
+            load = self.loads.get("prefill", instance)
+            if load is None:
+                since = self._unreported.get(instance, now)
+                if now - since <= timeout:
+                    unreported[instance] = since
+                    continue
+            elif load.ready and now - load.seen_at <= timeout:
+                continue
+            self.index.forget(instance)
+        self._unreported = unreported
 
     def pick(self, session_id: str | None, now: float, prompt_tokens: int = 0,
              prompt_ids: Sequence[int] = ()) -> str | None:
@@ -142,36 +249,45 @@ class PrefillPicker:
         if not candidates:
             return None
         req = PickRequest(session_id, now, prompt_tokens, prompt_ids)
-        choice = None
+        choice, reason = None, "load"
         for strategy in self.strategies:
             choice = strategy(candidates, req)
             if choice is not None:
+                reason = getattr(strategy, "reason", "other")
                 break
         if choice is None:  # a chain without a catch-all: fall back to the least loaded
             choice = min(candidates, key=lambda c: c.load_key).instance
+        resident = None if req.resident is None else req.resident.get(choice, 0) * BLOCK_TOKENS
+        self.last = Decision(choice, reason, resident)
         if self.sticky is not None and session_id:
             self.sticky.remember(session_id, choice, now)
         self.loads.note_assigned("prefill", choice, prompt_tokens)
         return choice
 
 
-def _sticky(loads: LoadTable, idle_s: float, rng: random.Random) -> PrefillPicker:
+def _cache_aware(loads: LoadTable, idle_s: float, rng: random.Random, max_imbalance: int) -> PrefillPicker:
+    sticky, index = Sticky(idle_s), KVIndex()
+    return PrefillPicker(loads, [sticky, CacheAware(index, max_imbalance), PowerOfTwo(rng)], sticky, index)
+
+
+def _sticky(loads: LoadTable, idle_s: float, rng: random.Random, max_imbalance: int) -> PrefillPicker:
     sticky = Sticky(idle_s)
     return PrefillPicker(loads, [sticky, PowerOfTwo(rng)], sticky)
 
 
-def _p2c(loads: LoadTable, idle_s: float, rng: random.Random) -> PrefillPicker:
+def _p2c(loads: LoadTable, idle_s: float, rng: random.Random, max_imbalance: int) -> PrefillPicker:
     return PrefillPicker(loads, [PowerOfTwo(rng)])
 
 
-POLICIES: dict[str, Callable[[LoadTable, float, random.Random], PrefillPicker]] = {
+POLICIES: dict[str, Callable[[LoadTable, float, random.Random, int], PrefillPicker]] = {
+    "cache-aware": _cache_aware,
     "sticky": _sticky,
     "p2c": _p2c,
 }
 
 
-def make_picker(policy: str, loads: LoadTable, session_idle_s: float,
-                rng: random.Random | None = None) -> PrefillPicker:
+def make_picker(policy: str, loads: LoadTable, session_idle_s: float, rng: random.Random | None = None,
+                max_imbalance_tokens: int = DEFAULT_MAX_IMBALANCE_TOKENS) -> PrefillPicker:
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
-    return POLICIES[policy](loads, session_idle_s, rng or random.Random())
+    return POLICIES[policy](loads, session_idle_s, rng or random.Random(), max_imbalance_tokens)

@@ -82,12 +82,19 @@ class Engine:
         return self.config.num_blocks * self.layout.block_size
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    retain_kv: bool = False, prefill_only: bool = False) -> Sequence:
+                    retain_kv: bool = False, prefill_only: bool = False, pinned_blocks: list[int] = (),
+                    restored_range: tuple[int, int] = (0, 0)) -> Sequence:
         """Queue a request. `retain_kv`: on finish its block table passes to the caller. `prefill_only`:
         finish after the first token; if that token did not end the request, the reason is
-        "prefilled" and the block table passes to the caller (for the handoff)."""
-        self._validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only)
+        "prefilled" and the block table passes to the caller (for the handoff). `pinned_blocks`: one
+        reference the caller gives up once the request is admitted (or rejected here)."""
+        try:
+            self._validate(request_id, prompt_ids, params)
+        except ValueError:
+            self.block_manager.release(reversed(list(pinned_blocks)))
+            raise
+        seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only,
+                       pinned_blocks=list(pinned_blocks), restored_range=restored_range)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -114,6 +121,10 @@ class Engine:
     def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} already active")
+        self.check_request(prompt_ids, params)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What can be known about a request before it is queued (pure: safe from any thread)."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         vocab = self.loaded.config.vocab_size

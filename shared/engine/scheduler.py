@@ -108,6 +108,17 @@ class Scheduler:
         return batch if batch.seqs else None
 
     def _admit_prefix(self, seq: Sequence) -> None:
+        try:
+            self._match_prefix(seq)
+        finally:
+            self._unpin(seq)
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.pinned_blocks:
+            self.bm.release(reversed(seq.pinned_blocks))
+            seq.pinned_blocks = []
+
+    def _match_prefix(self, seq: Sequence) -> None:
         if seq.block_table or not self.enable_prefix_cache:
             return
         # Leave at least one token to compute: its logits choose the next token.
@@ -152,6 +163,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._unpin(seq)
         keep = reason != "abort" and (seq.retain_kv or (seq.prefill_only and reason == "prefilled"))
         if seq.block_table and not keep:
             self._drop_blocks(seq)

@@ -29,8 +29,13 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
-    # Token-source account for the prompt: device prefix cache hit vs computed here.
+    # Token-source account for the prompt: prefix-cache hit vs computed here. Of the hit, tokens in
+    # `restored_range` (start, end) were brought from the pool just for this request.
     num_device_cached: int = 0
+    restored_range: tuple[int, int] = (0, 0)
+    # Blocks the caller holds for this request until it is admitted (e.g. just restored from the
+    # pool): released right after the prefix match, so they cannot be evicted before it.
+    pinned_blocks: list[int] = field(default_factory=list)
     output_text: str = ""
     finish_reason: str | None = None
     prompt_logits: torch.Tensor | None = None  # logits that chose the first token (when recorded)
@@ -50,6 +55,11 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         self.params = self.params.with_resolved_seed()
+
+    @property
+    def num_store_tokens(self) -> int:
+        start, end = self.restored_range
+        return max(0, min(self.num_device_cached, end) - start)
 
     def next_generator(self) -> torch.Generator | None:
         return self.params.make_generator(len(self.output_ids))

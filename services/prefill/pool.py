@@ -1,0 +1,222 @@
+"""Prefill's pool connector: restore a request's history from the shared pool before computing it,
+and save new full chunks after, without ever serving bytes it did not verify.
+
+Restore (before the request enters the engine): match the device prefix; look up the next chunks in
+the pool (a chunk counts only if every stage holds its object, errors count as "not now"); read them
+zero-copy into a registered buffer; verify header and checksum; unpack into fresh blocks and register
+them in the device prefix index. A chunk that fails ends the restore there: later tokens are computed.
+Save (after the first token): every full prompt chunk the pool lacks is packed per stage and put with
+the chunk's digest as its group id (a chunk's stages are evicted together). The blocks being saved hold
+a reference of their own until the save ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import get_kv_kernels
+from shared.engine.block_manager import OutOfBlocks
+from shared.engine.engine import Engine
+from shared.engine.loop import EngineLoop
+from shared.hashing import CHUNK_TOKENS, chunk_hashes, namespace_seed
+from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, write_header
+from shared.logging import get_logger
+from shared.tracing import get_tracer
+
+tracer = get_tracer("moorage.prefill.pool")
+log = get_logger("prefill.pool")
+
+
+@dataclass
+class Restored:
+    pinned: list[int]             # block references handed to the engine with the request
+    token_range: tuple[int, int]  # prompt tokens restored from the pool
+    stats: dict = field(default_factory=dict)
+
+
+class PoolConnector:
+    def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None):
+        self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
+        self.bm, self.layout = engine.block_manager, engine.layout
+        self.seed = namespace_seed(engine.namespace)
+        self.stages = self.layout.stages
+        self.payload = [self.layout.chunk_payload_bytes(s) for s in range(self.stages)]
+        self.obj_bytes = [HEADER_BYTES + p for p in self.payload]
+        self.chunk_bytes = sum(self.obj_bytes)
+        self.blocks_per_chunk = CHUNK_TOKENS // self.layout.block_size
+        self.kernels = get_kv_kernels(engine.pages[0].device)
+        self.restore_buf = torch.empty(settings.restore_batch_chunks * self.chunk_bytes, dtype=torch.uint8)
+        self.save_buf = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        client.register(self.restore_buf)
+        client.register(self.save_buf)
+        self.restore_lock, self.save_lock = asyncio.Lock(), asyncio.Lock()
+        self.on_store_event = on_store_event
+        self.counters = {"restored_chunks": 0, "verify_failures": 0, "saved_chunks": 0, "save_skipped": 0,
+                         "save_failures": 0, "lookup_errors": 0}
+
+    def _keys(self, digest: bytes) -> list[str]:
+        return [object_key(self.engine.namespace, s, self.stages, digest) for s in range(self.stages)]
+
+    def _spec(self, digest: bytes, stage: int) -> ObjectSpec:
+        return ObjectSpec(self.engine.namespace, digest, stage, self.stages, CHUNK_TOKENS, self.payload[stage])
+
+    async def present(self, digests: list[bytes]) -> list[bool]:
+        """Per chunk: every stage's object exists. An error is "not now" (False), never data."""
+        keys = [k for d in digests for k in self._keys(d)]
+        found = await asyncio.to_thread(self.client.exists, keys) if keys else []
+        if any(f is None for f in found):
+            self.counters["lookup_errors"] += 1
+        S = self.stages
+        return [all(f is True for f in found[i * S:(i + 1) * S]) for i in range(len(digests))]
+
+    # ---- restore ---------------------------------------------------------------------------------
+    async def restore(self, request_id: str, prompt: list[int], trace_ctx) -> Restored | None:
+        usable = (len(prompt) - 1) // CHUNK_TOKENS  # leave a token to compute: its logits pick the next
+        with tracer.start_as_current_span("store.lookup", context=trace_ctx) as span:
+            match = await self.loop.call(lambda: self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1))
+            c0 = match.num_tokens // CHUNK_TOKENS
+            span.set_attributes({"request_id": request_id, "device_tokens": match.num_tokens,
+                                 "candidate_chunks": max(0, usable - c0)})
+            if (usable - c0) * CHUNK_TOKENS < self.settings.min_restore_tokens:
+                return None
+            digests = chunk_hashes(prompt, self.seed)[c0:usable]
+            present = await self.present(digests)
+            hits = next((i for i, p in enumerate(present) if not p), len(present))
+            span.set_attribute("hit_chunks", hits)
+            if hits * CHUNK_TOKENS < self.settings.min_restore_tokens:
+                return None
+        with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
+            async with self.restore_lock:
+                return await self._restore(prompt, c0, digests[:hits], span)
+
+    async def _restore(self, prompt: list[int], c0: int, digests: list[bytes], span) -> Restored | None:
+        bpc = self.blocks_per_chunk
+
+        def reserve() -> tuple[list[int], list[int]] | None:
+            """Between steps: hold the device prefix we build on, and fresh blocks to restore into."""
+            prefix = self.bm.match_prefix(prompt, max_tokens=c0 * CHUNK_TOKENS).block_ids
+            if len(prefix) != c0 * bpc:
+                return None  # evicted since the lookup: just compute
+            self.bm.acquire(prefix)
+            try:
+                return prefix, self.bm.allocate(len(digests) * bpc)
+            except OutOfBlocks:
+                self.bm.release(reversed(prefix))
+                return None
+
+        reserved = await self.loop.call(reserve)
+        if reserved is None:
+            return None
+        prefix, fresh = reserved
+        t0, stage_ms, good, nbytes = time.perf_counter(), [0.0] * self.stages, 0, 0
+        batch = self.settings.restore_batch_chunks
+        try:
+            for b0 in range(0, len(digests), batch):
+                ok = await self._restore_batch(digests[b0:b0 + batch], fresh[b0 * bpc:], stage_ms)
+                good += ok
+                nbytes += ok * self.chunk_bytes
+                if ok < len(digests[b0:b0 + batch]):
+                    break
+        finally:
+            kept = fresh[:good * bpc]
+
+            def commit() -> list[int]:
+                table = prefix + kept
+                if kept:
+                    self.bm.register_full_blocks(table, prompt, len(table), start_block=len(prefix))
+                self.bm.release(reversed(fresh[good * bpc:]))
+                return table
+
+            pinned = await self.loop.call(commit)
+        self.counters["restored_chunks"] += good
+        span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
+                             "ms": (time.perf_counter() - t0) * 1e3,
+                             **{f"stage{s}_ms": ms for s, ms in enumerate(stage_ms)}})
+        return Restored(pinned, (c0 * CHUNK_TOKENS, (c0 + good) * CHUNK_TOKENS),
+                        {"chunks": good, "bytes": nbytes})
+
+    async def _restore_batch(self, digests: list[bytes], blocks: list[int], stage_ms: list[float]) -> int:
+        """Reads, verifies and unpacks these chunks; returns how many leading chunks are good."""
+        keys, addrs, sizes, views = [], [], [], []
+        off, base = 0, self.restore_buf.data_ptr()
+        for d in digests:
+            for s, key in enumerate(self._keys(d)):
+                keys.append(key), addrs.append(base + off), sizes.append(self.obj_bytes[s])
+                views.append(self.restore_buf[off:off + self.obj_bytes[s]])
+                off += self.obj_bytes[s]
+        got = await asyncio.to_thread(self.client.get_into, keys, addrs, sizes)
+        bpc, S = self.blocks_per_chunk, self.stages
+        for c, d in enumerate(digests):
+            for s in range(S):
+                i = c * S + s
+                t = time.perf_counter()
+                if got[i] != sizes[i]:  # gone (store died, evicted) or unreadable: a miss from here on
+                    log.info("pool read failed", key=keys[i], code=got[i])
+                    return c
+                why = await asyncio.to_thread(verify, views[i], self._spec(d, s))
+                if why is not None:
+                    self.counters["verify_failures"] += 1
+                    log.warning("pool object rejected", key=keys[i], reason=why)
+                    return c
+                payload = views[i][HEADER_BYTES:].view(self.layout.dtype)
+                await asyncio.to_thread(self.kernels.unpack_chunk, payload, self.engine.pages[s],
+                                        blocks[c * bpc:(c + 1) * bpc])
+                stage_ms[s] += (time.perf_counter() - t) * 1e3
+        return len(digests)
+
+    # ---- save ------------------------------------------------------------------------------------
+    def hold_for_save(self, prompt: list[int], block_table: list[int]) -> list[int]:
+        """Called on the event loop between steps (no engine step running): our own reference on the
+        prompt's full-chunk blocks, taken before anyone else may release them."""
+        blocks = block_table[:(len(prompt) // CHUNK_TOKENS) * self.blocks_per_chunk]
+        self.bm.acquire(blocks)
+        return blocks
+
+    async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx) -> None:
+        bpc = self.blocks_per_chunk
+        try:
+            with tracer.start_as_current_span("store.save", context=trace_ctx) as span:
+                digests = chunk_hashes(prompt, self.seed)[:len(blocks) // bpc]
+                present = await self.present(digests)
+                saved = []
+                async with self.save_lock:
+                    for c, (d, have) in enumerate(zip(digests, present)):
+                        if have:
+                            self.counters["save_skipped"] += 1
+                            continue
+                        if await self._save_chunk(d, blocks[c * bpc:(c + 1) * bpc]):
+                            saved.append(d)
+                self.counters["saved_chunks"] += len(saved)
+                span.set_attributes({"request_id": request_id, "chunks": len(saved),
+                                     "skipped": sum(present), "bytes": len(saved) * self.chunk_bytes})
+            if saved and self.on_store_event:
+                await self.on_store_event(saved)
+        except Exception as e:  # a save is best effort: the request already has its answer
+            self.counters["save_failures"] += 1
+            log.warning("save failed", request_id=request_id, error=str(e))
+        finally:
+            await self.loop.call(lambda: self.bm.release(reversed(blocks)))
+
+    async def _save_chunk(self, digest: bytes, blocks: list[int]) -> bool:
+        keys, addrs, sizes, off = self._keys(digest), [], [], 0
+        for s in range(self.stages):
+            obj = self.save_buf[off:off + self.obj_bytes[s]]
+            payload = obj[HEADER_BYTES:]
+
+            def pack(s=s, obj=obj, payload=payload):
+                self.kernels.pack_chunk(self.engine.pages[s], blocks, out=payload.view(self.layout.dtype))
+                write_header(obj, self._spec(digest, s), checksum(payload))
+
+            await asyncio.to_thread(pack)
+            addrs.append(self.save_buf.data_ptr() + off), sizes.append(self.obj_bytes[s])
+            off += self.obj_bytes[s]
+        rc = await asyncio.to_thread(self.client.put_from, keys, addrs, sizes, digest.hex())
+        if any(r != 0 for r in rc):
+            self.counters["save_failures"] += 1
+            log.warning("pool put failed", digest=digest.hex(), codes=rc)
+            return False
+        return True

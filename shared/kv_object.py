@@ -1,0 +1,65 @@
+"""One pool object = one (chunk, stage): a fixed header, then the chunk's pages of that stage.
+
+Key: `{namespace}/s{stage}of{stages}/{digest hex}`, so deployments whose KV differs in meaning (model,
+dtype, layout, stage split, tenant) can never read each other's objects. A restore verifies every field
+of the header and the payload checksum; any mismatch is a miss, never data.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"MRGKV1"
+FORMAT_VERSION = 1
+HEADER_BYTES = 128
+_HEADER = struct.Struct("<6sHHHIQI16s64s")  # magic, version, stage, stages, tokens, payload bytes, crc32, digest, namespace
+assert _HEADER.size <= HEADER_BYTES
+
+
+def object_key(namespace: str, stage: int, stages: int, digest: bytes) -> str:
+    return f"{namespace}/s{stage}of{stages}/{digest.hex()}"
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    namespace: str
+    digest: bytes
+    stage: int
+    stages: int
+    tokens: int
+    payload_bytes: int
+
+
+def checksum(payload: torch.Tensor) -> int:
+    return zlib.crc32(payload.numpy())
+
+
+def write_header(dst: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> None:
+    """dst: the object's first HEADER_BYTES (uint8)."""
+    if len(spec.namespace.encode()) > 64 or len(spec.digest) != 16:
+        raise ValueError("namespace must fit 64 bytes and the digest be 16 bytes")
+    raw = _HEADER.pack(MAGIC, FORMAT_VERSION, spec.stage, spec.stages, spec.tokens, spec.payload_bytes,
+                       payload_crc, spec.digest, spec.namespace.encode())
+    dst[:HEADER_BYTES].zero_()
+    dst[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def verify(obj: torch.Tensor, spec: ObjectSpec) -> str | None:
+    """None when `obj` (uint8, header + payload) is exactly the object `spec` names; else why not."""
+    if obj.numel() != HEADER_BYTES + spec.payload_bytes:
+        return f"size {obj.numel()} != {HEADER_BYTES + spec.payload_bytes}"
+    magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
+        obj[:_HEADER.size].numpy().tobytes())
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return "not a moorage KV object (or another format version)"
+    got = (ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens, nbytes)
+    want = (spec.namespace, spec.digest, spec.stage, spec.stages, spec.tokens, spec.payload_bytes)
+    if got != want:
+        return f"header names another object: {got[1].hex()[:8]} s{got[2]}of{got[3]} in {got[0]}"
+    if checksum(obj[HEADER_BYTES:]) != crc:
+        return "payload checksum mismatch"
+    return None

@@ -1,0 +1,48 @@
+"""Pool objects verify every header field and the payload checksum: a mismatch is a miss, never data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, write_header
+
+SPEC = ObjectSpec("mrg1-abc", bytes(range(16)), 1, 2, 256, 4096)
+
+
+def make(spec: ObjectSpec = SPEC) -> torch.Tensor:
+    obj = torch.empty(HEADER_BYTES + spec.payload_bytes, dtype=torch.uint8)
+    obj[HEADER_BYTES:] = torch.randint(0, 256, (spec.payload_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    write_header(obj, spec, checksum(obj[HEADER_BYTES:]))
+    return obj
+
+
+def test_valid_object_verifies():
+    assert verify(make(), SPEC) is None
+
+
+@pytest.mark.parametrize("field,value", [("namespace", "mrg1-other"), ("digest", bytes(16)), ("stage", 0),
+                                         ("stages", 3), ("tokens", 128)])
+def test_header_naming_another_object_is_rejected(field, value):
+    other = ObjectSpec(**{**SPEC.__dict__, field: value})
+    assert "another object" in verify(make(), other)
+
+
+def test_flipped_payload_bit_is_rejected():
+    obj = make()
+    obj[HEADER_BYTES + 1000] ^= 4
+    assert verify(obj, SPEC) == "payload checksum mismatch"
+
+
+def test_wrong_size_and_garbage_are_rejected():
+    assert "size" in verify(make()[:-1], SPEC)
+    assert "not a moorage KV object" in verify(torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8), SPEC)
+
+
+def test_key_names_namespace_stage_and_digest():
+    assert object_key("mrg1-abc", 1, 2, bytes(range(16))) == "mrg1-abc/s1of2/" + bytes(range(16)).hex()
+
+
+def test_oversized_namespace_is_refused():
+    with pytest.raises(ValueError):
+        write_header(torch.zeros(HEADER_BYTES, dtype=torch.uint8), ObjectSpec("x" * 65, bytes(16), 0, 1, 256, 0), 0)

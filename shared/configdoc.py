@@ -41,6 +41,8 @@ def _table(cls, prefix: str) -> list[str]:
 
 def reference() -> str:
     from services.gate.config import GateSettings
+    from services.master.config import MasterSettings
+    from services.store.config import StoreSettings
     from services.prefill.config import PoolSettings
     from services.router.config import RouterSettings
     from shared.bus import BusConfig
@@ -65,6 +67,8 @@ def reference() -> str:
         ("Prefill and decode: `[engine]`", EngineConfig, "engine."),
         ("Prefill and decode: `[transfer]`", TransferConfig, "transfer."),
         ("Prefill: `[pool]` (the shared KV pool connector)", PoolSettings, "pool."),
+        ("Master: `[master]` (supervises `mooncake_master`)", MasterSettings, "master."),
+        ("Store: `[store]` (a DRAM segment of the pool)", StoreSettings, "store."),
         ("`moorage up`: `[up]` (each service's keys go under its name, e.g. `prefill.engine.num_blocks`)",
          UpSettings, "up."),
     ]

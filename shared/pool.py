@@ -25,7 +25,8 @@ Facts this module relies on (mooncake-transfer-engine-non-cuda 0.3.13.post1, loo
 - setup() against an unreachable master retries for ~90 s: PoolClient checks the master's port first.
 - After the master restarts (losing every object; stores remount by themselves in ~1 s) a client's
   first call fails at once with -900 on its stale connection and the next one works: a -900 that
-  came back within STALE_RPC_S is retried once here. A master that is down answers -900 after ~4 s.
+  came back within STALE_RPC_S is retried once here. A master that is down answers -900 after ~4.3 s
+  per call (MC_RPC_CONNECT_TIMEOUT_MS / MC_RPC_TIMEOUT_MS do not shorten that).
 - 12 MiB put ~20-30 ms, get ~11-15 ms on loopback tcp (~0.5-1 GB/s).
 """
 

@@ -1,8 +1,9 @@
 """`moorage up`: the whole system on one machine, as real processes.
 
-Starts a nats-server (unless `up.nats_url` names one), then the gate, decode, prefill and router
-services, each `python -m services.<name> --config <run_dir>/<name>.toml`, so compose and systemd run
-the very same code with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
+Starts a nats-server (unless `up.nats_url` names one), then the KV pool (a master supervising
+`mooncake_master` and `up.stores` store services, "the two halves of the host"), the gate, decode,
+`up.prefills` prefill instances and the router, each `python -m services.<name> --config
+<run_dir>/<instance>.toml`, so compose and systemd run the very same code with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
 (or when any service dies) stops everything in reverse order. Children get PDEATHSIG, so none
 outlives a killed launcher.
 
@@ -26,12 +27,13 @@ from pathlib import Path
 
 from services.decode.config import DecodeConfig
 from services.gate.config import GateConfig
+from services.master.config import MasterConfig
 from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
+from services.store.config import StoreConfig
 from shared.natsd import NatsServer, start_nats_server
 from shared.tomlgen import to_toml
 
-SERVICES = ("gate", "decode", "prefill", "router")  # start order; stop order is the reverse
 STATE_FILE = "up.json"
 
 
@@ -43,31 +45,62 @@ class UpSettings:
     nats_url: str = ""                # empty: start an embedded nats-server on a free loopback port
     run_dir: str = ".moorage"         # configs, logs, traces, state for `moorage status`
     ready_timeout_s: float = 300.0    # give up if /health is not 200 by then
+    pool: bool = True                 # run the shared KV pool (master + stores) and let prefill use it
+    stores: int = 2                   # store services contributing DRAM to the pool
+    store_bytes: int = 1 << 30        # DRAM each store contributes (bytes)
+    prefills: int = 1                 # prefill instances (prefill-0, prefill-1, ...)
 
 
 @dataclass
 class UpConfig:
     up: UpSettings = field(default_factory=UpSettings)
+    master: MasterConfig = field(default_factory=MasterConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
-def _service_configs(cfg: UpConfig, nats_url: str, run_dir: Path) -> dict:
-    """Each service's config with the launcher's shared choices applied (model, bus, traces)."""
-    out = {}
-    for name in SERVICES:
-        sc = getattr(cfg, name)
-        sc = dataclasses.replace(sc, bus=dataclasses.replace(sc.bus, url=nats_url))
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replace(obj, **sections):
+    """dataclasses.replace on nested sections: _replace(cfg, bus={"url": u}) -> a copy with bus.url = u."""
+    return dataclasses.replace(obj, **{k: dataclasses.replace(getattr(obj, k), **v) for k, v in sections.items()})
+
+
+def plan(cfg: UpConfig, nats_url: str, run_dir: Path) -> list[tuple[str, str, object]]:
+    """(instance, service module, config) in start order; stop order is the reverse."""
+    up = cfg.up
+    common = {"bus": {"url": nats_url}}
+    traces = str(run_dir / "traces.jsonl")
+    out: list[tuple[str, str, object]] = []
+
+    def add(instance: str, service: str, sc, **sections) -> None:
+        sc = _replace(dataclasses.replace(sc, instance=instance), **common, **sections)
         if sc.tracing.exporter == "jsonl" and sc.tracing.path == "moorage-traces.jsonl":
-            sc = dataclasses.replace(sc, tracing=dataclasses.replace(sc.tracing, path=str(run_dir / "traces.jsonl")))
-        if name in ("prefill", "decode"):
-            sc = dataclasses.replace(sc, engine=dataclasses.replace(sc.engine, model=cfg.up.model))
-        if name == "router":
-            sc = dataclasses.replace(sc, router=dataclasses.replace(sc.router, model=cfg.up.model,
-                                                                   host=cfg.up.host, port=cfg.up.port))
-        out[name] = sc
+            sc = _replace(sc, tracing={"path": traces})
+        out.append((instance, service, sc))
+
+    master_addr = ""
+    if up.pool:
+        port = _free_port()  # never collide with another pool on this host
+        master_addr = f"{cfg.master.master.host}:{port}"
+        add(cfg.master.instance, "master", cfg.master, master={"rpc_port": port})
+        for i in range(up.stores):
+            add(f"store-{i}", "store", cfg.store, store={"master_addr": master_addr, "segment_bytes": up.store_bytes})
+    add(cfg.gate.instance, "gate", cfg.gate)
+    add(cfg.decode.instance, "decode", cfg.decode, engine={"model": up.model})
+    for i in range(up.prefills):
+        pool = {"enabled": True, "master_addr": master_addr} if up.pool else {"enabled": False}
+        add(f"prefill-{i}", "prefill", cfg.prefill, engine={"model": up.model}, pool=pool)
+    add(cfg.router.instance, "router", cfg.router, router={"model": up.model, "host": up.host, "port": up.port})
     return out
 
 
@@ -80,7 +113,8 @@ class Launcher:
     def __init__(self, cfg: UpConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.up.run_dir).resolve()
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}  # instance -> process, in start order
+        self.configs: dict[str, object] = {}          # instance -> the config it was started with
         self.nats: NatsServer | None = None
         self._stopping = False
 
@@ -90,13 +124,13 @@ class Launcher:
         if not nats_url:
             self.nats = start_nats_server(log_path=str(self.run_dir / "nats.log"))
             nats_url = self.nats.url
-        configs = _service_configs(self.cfg, nats_url, self.run_dir)
-        for name in SERVICES:
-            path = self.run_dir / f"{name}.toml"
-            path.write_text(to_toml(configs[name]))
-            log = open(self.run_dir / f"{name}.log", "ab")
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{name}", "--config", str(path)],
+        for instance, service, config in plan(self.cfg, nats_url, self.run_dir):
+            self.configs[instance] = config
+            path = self.run_dir / f"{instance}.toml"
+            path.write_text(to_toml(config))
+            log = open(self.run_dir / f"{instance}.log", "ab")
+            self.procs[instance] = subprocess.Popen(
+                [sys.executable, "-m", f"services.{service}", "--config", str(path)],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         url = f"http://{self.cfg.up.host}:{self.cfg.up.port}"
         state = {"nats_url": nats_url, "router_url": url, "pids": {n: p.pid for n, p in self.procs.items()},
@@ -123,7 +157,7 @@ class Launcher:
 
     def stop(self, timeout: float = 15.0) -> None:
         self._stopping = True
-        for name in reversed(SERVICES):
+        for name in reversed(list(self.procs)):
             p = self.procs.get(name)
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -149,8 +183,8 @@ def run_up(cfg: UpConfig) -> int:
     code = 0
     try:
         url = launcher.start()
-        print(f"moorage: starting {', '.join(SERVICES)} with model {cfg.up.model} (logs in {launcher.run_dir})",
-              flush=True)
+        print(f"moorage: starting {', '.join(launcher.procs)} with model {cfg.up.model} "
+              f"(logs in {launcher.run_dir})", flush=True)
         launcher.wait_ready(url)
         print(f"moorage is ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)", flush=True)
         while not launcher.dead():

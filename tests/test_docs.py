@@ -9,6 +9,8 @@ import pytest
 
 from services.decode.config import DecodeConfig
 from services.gate.config import GateConfig
+from services.master.config import MasterConfig
+from services.store.config import StoreConfig
 from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from shared.config import describe
@@ -23,7 +25,8 @@ def test_config_reference_is_current():
     assert render(text) == text, "run: python -m shared.configdoc --write README.md"
 
 
-@pytest.mark.parametrize("cls", [RouterConfig, GateConfig, PrefillConfig, DecodeConfig, UpSettings])
+@pytest.mark.parametrize("cls", [RouterConfig, GateConfig, PrefillConfig, DecodeConfig, MasterConfig, StoreConfig,
+                                 UpSettings])
 def test_every_key_is_documented_with_a_meaning(cls):
     text = README.read_text()
     prefix = "up." if cls is UpSettings else ""

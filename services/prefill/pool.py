@@ -216,6 +216,10 @@ class PoolConnector:
             off += self.obj_bytes[s]
         rc = await asyncio.to_thread(self.client.put_from, keys, addrs, sizes, digest.hex())
         if any(r != 0 for r in rc):
+            # half a chunk is no hit (every stage must be there): give back what did land
+            landed = [k for k, r in zip(keys, rc) if r == 0]
+            if landed:
+                await asyncio.to_thread(self.client.remove, landed, True)
             self.counters["save_failures"] += 1
             log.warning("pool put failed", digest=digest.hex(), codes=rc)
             return False

@@ -22,6 +22,7 @@ from shared.hashing import CHUNK_TOKENS, chunk_hashes, namespace_seed
 from shared.kv_object import HEADER_BYTES, object_key
 from shared.messages import LoadReport
 from shared.pool import PoolClient, PoolConfig
+from shared.tracing import read_spans
 from shared.up import Launcher, UpConfig
 from tests.natsbus import free_port, nats_url
 
@@ -95,8 +96,21 @@ def owner_of(nats: str, served_before: dict[str, int]) -> str:
     return moved[0]
 
 
+def trace_of(launcher, response_id: str, want: set[str]) -> list[dict]:
+    """The spans of one request's trace (waits for the exporters to flush)."""
+    request_id = "req-" + response_id.split("-", 1)[1]
+    deadline = time.monotonic() + 15
+    while True:
+        spans = read_spans(launcher.run_dir / "traces.jsonl")
+        root = [s for s in spans if s["name"] == "router.request" and s["attributes"].get("request_id") == request_id]
+        trace = [s for s in spans if root and s["trace_id"] == root[0]["trace_id"]]
+        if want <= {s["name"] for s in trace} or time.monotonic() > deadline:
+            return trace
+        time.sleep(0.3)
+
+
 def test_turn_restores_history_from_pool_after_device_eviction(system, tiny):
-    _, base, _ = system
+    launcher, base, _ = system
     history = tokens(1, 700)
     first = complete(base, history, "s-evict")
     assert first["choices"][0]["text"] == scratch_text(tiny, history)
@@ -106,6 +120,12 @@ def test_turn_restores_history_from_pool_after_device_eviction(system, tiny):
     assert second["usage"]["moorage"]["store"] == 2 * CHUNK_TOKENS  # both full chunks came from the pool
     assert second["usage"]["moorage"]["computed"] == len(turn2) - 2 * CHUNK_TOKENS
     assert second["choices"][0]["text"] == scratch_text(tiny, turn2)
+    saved = {s["name"]: s for s in trace_of(launcher, first["id"], {"store.save"})}
+    assert saved["store.save"]["attributes"]["chunks"] == 2
+    spans = {s["name"]: s for s in trace_of(launcher, second["id"], {"store.lookup", "store.restore"})}
+    restore = spans["store.restore"]["attributes"]
+    assert spans["store.lookup"]["attributes"]["hit_chunks"] == 2
+    assert restore["chunks"] == 2 and restore["bytes"] > 0 and "stage1_ms" in restore
 
 
 def pool_client(system) -> tuple[PoolClient, str]:

@@ -144,3 +144,99 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- helpers for bench/handoff.py ---------------------------------------------------------------
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for the router of a launched system)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of a non-empty list, like numpy's default."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# --- helpers for bench/restore.py ---------------------------------------------------------------
+
+class LoadWatcher:
+    """The latest LoadReport of every instance of a running system (and when it arrived), from a bus
+    subscription on an event loop in a background thread, for synchronous benchmark code."""
+
+    def __init__(self, nats_url: str, name: str = "bench"):
+        import asyncio
+        import threading
+
+        from shared.bus import Bus, BusConfig
+        from shared.messages import LoadReport
+
+        self.latest: dict[str, tuple[float, object]] = {}  # instance -> (time.monotonic() on arrival, report)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def on_load(msg, raw) -> None:
+            self.latest[msg.instance] = (time.monotonic(), msg)
+
+        async def connect():
+            bus = await Bus.connect(BusConfig(url=nats_url), name)
+            await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
+            return bus
+
+        self.bus = asyncio.run_coroutine_threadsafe(connect(), self.loop).result(15)
+
+    def wait_idle(self, instance: str, after: float, timeout: float = 120.0):
+        """The first report of `instance` that arrived after time.monotonic() `after` (+50 ms) showing
+        nothing running or waiting and every KV block free (so its async saves have let go too)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            t, r = self.latest.get(instance, (0.0, None))
+            if r is not None and t > after + 0.05 and not r.running and not r.waiting \
+                    and r.free_tokens == r.capacity_tokens:
+                return r
+            time.sleep(0.05)
+        raise TimeoutError(f"{instance} not idle after {timeout:.0f} s")
+
+    def close(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.run_coroutine_threadsafe(self.bus.close(), self.loop).result(10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def stream_completion(client, model: str, prompt: list[int], max_tokens: int, session: str | None = None) -> dict:
+    """One streamed greedy completion through the router (httpx.Client with base_url). The router sends
+    the response headers once the first token reached it, so ttft_ms = time to headers; first_event_ms =
+    time to the first SSE data line (later when the first token decodes to no text yet)."""
+    import json
+
+    t0 = time.perf_counter()
+    first_event, usage = None, None
+    with client.stream("POST", "/v1/completions", headers={"X-Session-ID": session} if session else {}, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        ttft = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            first_event = first_event or time.perf_counter() - t0
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            usage = obj.get("usage") or usage
+    return {"request_id": r.headers["x-request-id"], "ttft_ms": ttft * 1e3, "first_event_ms": (first_event or 0) * 1e3,
+            "total_ms": (time.perf_counter() - t0) * 1e3, "prompt_tokens": len(prompt), "usage": usage}

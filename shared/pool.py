@@ -8,7 +8,8 @@ Call it from a worker thread (`asyncio.to_thread`) in async code.
 Facts this module relies on (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback tcp, measured):
 - Return codes are ints, never exceptions. `batch_is_exist`: 1 exists, 0 missing, negative error
   (-900 RPC_FAIL when the master is down). `batch_get_into`: bytes read, or -704 OBJECT_NOT_FOUND,
-  -800 TRANSFER_FAIL (the store holding it died; after the master's client_ttl it becomes -704),
+  -800 TRANSFER_FAIL (the store holding it died: until the master's client_ttl passes, exists still
+  says 1 and reads fail -800; then the object is gone: 0 / -704),
   -600 INVALID_PARAMS (buffer smaller than the object; a larger buffer is fine), -900 (master down,
   after ~4 s). `batch_put_from`: 0, or -200 NO_AVAILABLE_HANDLE (pool full: eviction catching up,
   objects leased, or an object larger than any one segment - that never succeeds), -600 (0-byte
@@ -19,7 +20,10 @@ Facts this module relies on (mooncake-transfer-engine-non-cuda 0.3.13.post1, loo
   is not evicted (and a pool full of leased objects answers puts with -200 until the leases end).
 - `ReplicateConfig.group_ids` is per key (its length must equal the batch's); objects sharing a group
   id are evicted all-or-none. A group evicted before a late member is put is simply started anew.
-- An object lives in one segment: it must fit in one store's segment (a larger one gets -200).
+- An object lives in one segment: it must fit in one store's segment (a larger one gets -200). Worse,
+  every put the master cannot place makes it evict ~10% of the pool, so retrying a put that can never
+  fit empties the pool (0.5 s of retries evicted every object of a 16%-full pool): put_from refuses
+  objects over max_object_bytes locally; keep that below the smallest store segment.
 - Over tcp even unregistered source/destination buffers work (memcpy path); rdma needs registration,
   so always register.
 - setup() against an unreachable master retries for ~90 s: PoolClient checks the master's port first.
@@ -77,6 +81,7 @@ class PoolConfig:
     put_retry_s: float = 0.5               # a put answered "pool full" (-200) is retried this long, every ~20 ms
     max_batch: int = 512                   # keys per Mooncake call (tcp fails above 1024 to one peer)
     connect_timeout_s: float = 5.0         # how long to wait for the master's port before giving up
+    max_object_bytes: int = 64 << 20       # larger puts are refused here: keep it below the smallest store segment
 
 
 def wait_for_master(addr: str, timeout: float) -> bool:
@@ -102,7 +107,8 @@ def store_class():
 
 
 class PoolClient:
-    """A pure client of the pool. Thread-safe (Mooncake's client is; registrations are locked here)."""
+    """A pure client of the pool. Registrations are locked here; batch calls go straight to Mooncake
+    (which releases the GIL while they run)."""
 
     def __init__(self, config: PoolConfig | None = None):
         self.config = c = config or PoolConfig()
@@ -201,10 +207,14 @@ class PoolClient:
         With group_id every object of this call joins that eviction group (evicted all-or-none).
         An existing key answers 0 and keeps its old value. "Pool full" (-200) is retried for up to
         put_retry_s. preferred_segment (a store's "host:port") asks for placement on that store.
+        Raises ValueError for duplicate keys and for sizes outside 1..max_object_bytes.
         """
         self._check(keys, addrs, sizes)
         if len(set(keys)) != len(keys):
             raise ValueError("duplicate keys in one put (Mooncake would silently keep only one)")
+        bad = [n for n in sizes if not 0 < n <= self.config.max_object_bytes]
+        if bad:  # a put the master can never place makes it evict: refuse it before asking
+            raise ValueError(f"object size {bad[0]} outside 1..{self.config.max_object_bytes} (max_object_bytes)")
         store = self._live()
         out: list[int] = []
         for lo, hi in self._chunks(len(keys)):

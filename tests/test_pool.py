@@ -238,11 +238,13 @@ def test_put_with_group_id_and_argument_checks(bufs):
     assert bufs.client.exists([]) == [] and bufs.client.get_into([], [], []) == []
 
 
-def test_object_larger_than_a_segment_is_refused(bufs):
-    big = torch.empty(65 * MiB, dtype=torch.uint8)  # each segment is 64 MiB: an object never spans two
-    t = time.monotonic()
-    assert bufs.client.put_from([_key("huge")], [big.data_ptr()], [big.numel()]) == [NO_AVAILABLE_HANDLE]
-    assert time.monotonic() - t >= bufs.client.config.put_retry_s  # "pool full" was retried first
+def test_objects_over_max_object_bytes_are_refused_locally(bufs):
+    # an object must fit in one segment, and a put the master cannot place makes it evict (see the
+    # eviction test), so PoolClient refuses oversized objects before asking
+    with pytest.raises(ValueError, match="max_object_bytes"):
+        bufs.client.put_from([_key("huge")], [bufs.src.data_ptr()], [bufs.client.config.max_object_bytes + 1])
+    with pytest.raises(ValueError, match="max_object_bytes"):
+        bufs.client.put_from([_key("empty")], [bufs.src.data_ptr()], [0])
 
 
 def test_batches_are_chunked(pool):
@@ -357,6 +359,17 @@ def test_objects_of_one_group_are_evicted_together(nats_url, tmp_path):
         assert (False, True) in plain, plain  # LRU split chunks
         print("grouped", "".join(f"{int(a)}{int(b_)} " for a, b_ in grouped))
         print("plain  ", "".join(f"{int(a)}{int(b_)} " for a, b_ in plain))
+        # the trap max_object_bytes guards against: a put larger than any segment (33 MiB > 32 MiB,
+        # still under the default max_object_bytes) is refused (-200) and makes the master evict
+        keys = [f"plain/c{c}/s{s}" for c in range(20) for s in (0, 1)]
+        time.sleep(0.2)
+        held = sum(b.client.exists(keys))
+        big = torch.empty(33 * MiB, dtype=torch.uint8)
+        assert b.client.put_from(["too-big"], [big.data_ptr()], [big.numel()]) == [NO_AVAILABLE_HANDLE]
+        time.sleep(0.3)
+        left = sum(b.client.exists(keys))
+        print(f"a 33 MiB put into a 32 MiB pool evicted {held - left} of {held} objects")
+        assert left < held
         evictions = load_report(p, lambda r: r.role == "master" and r.detail.get("evictions", 0) > 0)
         assert evictions.detail["used_bytes"] <= 32 * MiB
     finally:

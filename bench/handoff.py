@@ -1,0 +1,341 @@
+"""KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
+router as processes, started with shared.up.Launcher; one system per model, default 8 MiB slots).
+
+Run from the repository root (full run: ~4-5 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
+prefill; --quick: tiny, 2K, R=1, N=10, ~20 s):
+
+    .venv/bin/python -m bench.handoff --out bench/results/handoff.json
+    .venv/bin/python -m bench.handoff --quick --out bench/results/handoff-quick.json
+
+1. Handoff: each prompt (random token ids, seeded) goes through the router once to warm (computes the
+   prefill) and then R more times (the prefix cache makes prefill nearly free; the handoff still moves
+   every byte). From <run_dir>/traces.jsonl each request's `kv.handoff` span gives bytes, writes,
+   rounds, gather/write/scatter ms and its duration (the whole handoff). handoff GB/s = bytes / duration,
+   write GB/s = bytes / write_ms. Baseline: a raw Transfer Engine write of the same bytes, in the same
+   pieces, in one `write` call, between two KVTransports in this process; its writes are interleaved with
+   the handoff repeats (median of 2 per repeat) so both see the same machine load.
+2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
+   /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
+   the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating.
+Writes the JSON (GB = 1e9 B, ms = milliseconds), a PNG with the same stem, and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench._util import calibrate_gflops, free_port, machine_info, md_table, percentile
+from shared.bus import Bus, BusConfig
+from shared.config import load_config
+from shared.engine.models import load_tokenizer
+from shared.messages import Ack, PrefillSubmit, TokenChunk
+from shared.tracing import read_spans
+from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport
+from shared.up import Launcher, UpConfig
+
+SEED = 20240601
+SMOL = "smollm2-135m"
+BLOCKS = 1024  # per engine: 16384 tokens, so a cached 2K and an 8K prompt fit on prefill (gate: 90% of decode's)
+TRACE_NAMES = ("router.request", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate")
+FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=3, raw_per_repeat=2, overhead_n=50,
+            overhead_warm=5)
+QUICK = dict(models=["tiny"], prompts=[2048], repeats=1, raw_per_repeat=3, overhead_n=10,
+             overhead_warm=3)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def complete(client: httpx.Client, model: str, prompt: list[int]) -> tuple[str, float]:
+    """(request id, seconds) of one non-streaming greedy completion of 2 tokens through the router."""
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2,
+                                             "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    return r.headers["x-request-id"], time.perf_counter() - t0
+
+
+def wait_spans(path: Path, names: tuple[str, ...], rids: set[str], timeout: float = 30.0) -> dict:
+    """{name: {request_id: span}} for every name and rid (services export spans in batches every few s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {n: {} for n in names}
+        for s in read_spans(path):
+            if s["name"] in got:
+                got[s["name"]][s["attributes"].get("request_id")] = s
+        missing = [n for n in names if not rids <= got[n].keys()]
+        if not missing:
+            return got
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {', '.join(missing)} span for some requests in {path}")
+        time.sleep(0.5)
+
+
+class RawTE:
+    """Two KVTransports in this process; `write()` times one batched write of `lengths` pieces from one
+    source buffer to one destination buffer (both registered, pages touched), like one handoff's bytes."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths, total, offs = lengths, sum(lengths), [sum(lengths[:i]) for i in range(len(lengths))]
+        self.a, self.b = KVTransport(), KVTransport()
+        self.src, self.dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+        self.a.register(self.src), self.b.register(self.dst)
+        self.s_addr, self.d_addr = [self.src.data_ptr() + o for o in offs], [self.dst.data_ptr() + o for o in offs]
+        self.write()  # warm-up: connection set-up
+        assert bool(self.dst[-1] == 1)
+
+    def write(self) -> float:
+        t0 = time.perf_counter()
+        self.a.write(self.b.endpoint, self.s_addr, self.d_addr, self.lengths)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.a.close(), self.b.close()
+
+
+def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Generator) -> list[dict]:
+    traces, runs = launcher.run_dir / "traces.jsonl", []
+    for n in p["prompts"]:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        rid, warm_s = complete(client, model, ids)
+        log(f"{model} {n} tok: warm request {warm_s:.1f} s")
+        warm = wait_spans(traces, ("kv.handoff",), {rid})["kv.handoff"][rid]["attributes"]
+        nbytes, writes = warm["bytes"], warm["writes"]
+        token_bytes = nbytes // n  # the handoff's windows: whole 16-token blocks, at most one slot each
+        window = (DEFAULT_SLOT_BYTES // token_bytes) // 16 * 16 * token_bytes
+        pieces = [min(window, nbytes - o) for o in range(0, nbytes, window)]
+        assert len(pieces) == writes, (pieces, writes)
+        raw, raw_s, reps = RawTE(pieces), [], []
+        try:  # raw writes interleaved with the handoff repeats: both see the same machine load
+            for _ in range(p["repeats"]):
+                raw_s += [raw.write() for _ in range(p["raw_per_repeat"])]
+                reps.append(complete(client, model, ids))
+        finally:
+            raw.close()
+        med_raw = statistics.median(raw_s)
+        raw = {"bytes": nbytes, "pieces": len(pieces), "repeats": len(raw_s), "times_ms": [t * 1e3 for t in raw_s],
+               "median_ms": med_raw * 1e3, "GBps": nbytes / med_raw / 1e9, "best_GBps": nbytes / min(raw_s) / 1e9}
+        runs.append((n, rid, warm_s, reps, raw, window))
+    rids = {r[1] for r in runs} | {x[0] for r in runs for x in r[3]}
+    spans_by = wait_spans(traces, TRACE_NAMES, rids)
+    hand, comp = spans_by["kv.handoff"], spans_by["prefill.compute"]
+    cases = []
+    for n, warm_rid, warm_s, reps, raw, window in runs:
+        spans = [hand[rid]["attributes"] | {"duration_ms": hand[rid]["duration_ms"]} for rid, _ in reps]
+        med = {k: statistics.median(s[k] for s in spans) for k in
+               ("duration_ms", "gather_ms", "write_ms", "scatter_ms")}
+        nbytes, writes = spans[0]["bytes"], spans[0]["writes"]
+        gbps, wgbps = nbytes / med["duration_ms"] / 1e6, nbytes / med["write_ms"] / 1e6
+        case = {"model": model, "prompt_tokens": n, "bytes": nbytes, "MB": nbytes / 1e6, "writes": writes,
+                "rounds": spans[0]["rounds"], "piece_bytes": window, "repeats": len(spans),
+                **{f"median_{k}": v for k, v in med.items()},
+                "median_other_ms": med["duration_ms"] - med["gather_ms"] - med["write_ms"] - med["scatter_ms"],
+                "handoff_GBps": gbps, "write_GBps": wgbps, "raw_te": raw, "raw_GBps": raw["GBps"],
+                "ratio_handoff_vs_raw": gbps / raw["GBps"], "ratio_write_vs_raw": wgbps / raw["GBps"],
+                "spans": spans, "repeat_request_ms": [s * 1e3 for _, s in reps],
+                "trace_median_ms": {k: statistics.median(spans_by[k][rid]["duration_ms"] for rid, _ in reps)
+                                    for k in TRACE_NAMES},
+                "repeat_tokens_reused": [comp[rid]["attributes"]["tokens_reused"] for rid, _ in reps],
+                "warm_request_s": warm_s, "warm_handoff_ms": hand[warm_rid]["duration_ms"],
+                "warm_prefill_compute_ms": comp[warm_rid]["duration_ms"]}
+        log(f"{model} {n} tok: handoff {case['median_duration_ms']:.1f} ms = {gbps:.2f} GB/s "
+            f"(write-only {wgbps:.2f}), raw TE {raw['GBps']:.2f} GB/s")
+        cases.append(case)
+    return cases
+
+
+async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: dict, g: torch.Generator) -> dict:
+    bus = await Bus.connect(BusConfig(url=nats_url), "bench-handoff")
+    subjects, router_ms, direct_ms = bus.subjects, [], []
+    sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
+    prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
+
+    async def via_router(client: httpx.AsyncClient) -> float:
+        t0 = time.perf_counter()
+        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt(), "max_tokens": 1,
+                                                       "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        r.json()
+        return time.perf_counter() - t0
+
+    async def direct() -> float:
+        rid, ids = f"bench-{uuid.uuid4().hex}", prompt()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_chunk(raw) -> None:
+            chunk = TokenChunk.decode(raw.data)
+            if chunk.finished and not done.done():
+                done.set_result(chunk)
+
+        t0 = time.perf_counter()
+        sub = await bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)
+        ack = await bus.request(subjects.prefill_submit("prefill-0"),
+                                PrefillSubmit(rid, ids, sampling, "decode-0"), Ack, timeout=10)
+        assert ack.ok, ack.error
+        chunk = await asyncio.wait_for(done, timeout=30)
+        dt = time.perf_counter() - t0
+        await sub.unsubscribe()
+        assert chunk.error is None and chunk.finish_reason == "length", chunk
+        return dt
+
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            for i in range(p["overhead_warm"] + p["overhead_n"]):
+                order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which path goes first
+                for which in order:
+                    dt = await via_router(client) if which == 0 else await direct()
+                    if i >= p["overhead_warm"]:
+                        (router_ms if which == 0 else direct_ms).append(dt * 1e3)
+    finally:
+        await bus.close()
+    r, d = summary(router_ms), summary(direct_ms)
+    return {"model": model, "prompt_tokens": 32, "max_tokens": 1, "n": len(router_ms), "router": r, "direct": d,
+            "overhead_p50_ms": r["p50_ms"] - d["p50_ms"], "overhead_p99_ms": r["p99_ms"] - d["p99_ms"],
+            "paired_diff": summary([a - b for a, b in zip(router_ms, direct_ms)]),
+            "router_ms": router_ms, "direct_ms": direct_ms}
+
+
+def summary(xs: list[float]) -> dict:
+    return {"p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99), "mean_ms": statistics.fmean(xs),
+            "min_ms": min(xs), "max_ms": max(xs)}
+
+
+def run_system(model: str, p: dict, g: torch.Generator, overhead: bool) -> tuple[list[dict], dict | None]:
+    with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
+        cfg = load_config(UpConfig, overrides=[
+            f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
+            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}"])
+        launcher = Launcher(cfg)
+        try:
+            base = launcher.start()
+            launcher.wait_ready(base)
+            log(f"{model}: system ready at {base}")
+            vocab = load_tokenizer(model)[0].vocab_size
+            with httpx.Client(base_url=base, timeout=1200) as client:
+                cases = bench_handoff(client, launcher, model, vocab, p, g)
+            over = asyncio.run(bench_overhead(base, launcher.nats.url, model, vocab, p, g)) if overhead else None
+            return cases, over
+        except Exception:
+            for name in launcher.dead():  # the run dir goes away with the temp dir: show why it died
+                log(f"{name} log tail:\n" + (Path(run_dir) / f"{name}.log").read_text()[-3000:])
+            raise
+        finally:
+            launcher.stop()
+
+
+def report(r: dict) -> str:
+    m, o = r["machine"], r["overhead"]
+    head = (f"## moorage KV handoff benchmark ({'quick' if r['params']['quick'] else 'full'})\n\n"
+            f"torch {m['torch']}, {m['cpu_count']} CPUs, {m['date']}; load avg start "
+            f"{m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}; matmul calibration start "
+            f"{m['calibration_matmul_GFLOPs_at_start']:.1f} / end {m['calibration_matmul_GFLOPs_at_end']:.1f} GFLOP/s; "
+            f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
+    t1 = md_table(["model", "prompt tok", "MB", "writes", "rounds", "handoff ms", "gather ms", "write ms", "scatter ms",
+                   "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "handoff/raw", "write/raw"],
+                  [[c["model"], c["prompt_tokens"], c["MB"], c["writes"], c["rounds"], c["median_duration_ms"],
+                    c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
+                    c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["ratio_handoff_vs_raw"],
+                    c["ratio_write_vs_raw"]] for c in r["handoff"]])
+    t2 = md_table(["model", "prompt tok", "client ms", *(f"{n} ms" for n in TRACE_NAMES)],
+                  [[c["model"], c["prompt_tokens"], statistics.median(c["repeat_request_ms"]),
+                    *(c["trace_median_ms"][n] for n in TRACE_NAMES)] for c in r["handoff"]])
+    t3 = md_table(["path (tiny, 32 tok, max_tokens=1)", "N", "p50 ms", "p99 ms", "mean ms"],
+                  [["(a) router: HTTP + gate + prefill", o["n"], o["router"]["p50_ms"], o["router"]["p99_ms"],
+                    o["router"]["mean_ms"]],
+                   ["(b) direct PrefillSubmit on the bus", o["n"], o["direct"]["p50_ms"], o["direct"]["p99_ms"],
+                    o["direct"]["mean_ms"]],
+                   ["overhead (a) - (b) of percentiles", o["n"], o["overhead_p50_ms"], o["overhead_p99_ms"], ""],
+                   ["overhead, paired per-iteration a - b", o["n"], o["paired_diff"]["p50_ms"],
+                    o["paired_diff"]["p99_ms"], o["paired_diff"]["mean_ms"]]])
+    return "\n".join([head, t1, "", "Repeat requests (prefix-cached), median span durations of their traces:", "",
+                      t2, "", t3, "", "Notes: " + "; ".join(r["notes"])])
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6))
+    fig.suptitle(f"moorage KV handoff ({'quick' if r['params']['quick'] else 'full'}) - {r['machine']['date']}, "
+                 f"{r['machine']['cpu_count']} CPUs, tcp loopback, 8 MiB slots", fontsize=11)
+    cs, w = r["handoff"], 0.27
+    for j, (key, label) in enumerate((("handoff_GBps", "handoff (whole span)"), ("write_GBps", "handoff write only"),
+                                      ("raw_GBps", "raw TE batch write, same bytes"))):
+        bars = ax.bar([i + (j - 1) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(cs)), [f"{c['model']}\n{c['prompt_tokens']} tok\n{c['MB']:.0f} MB, {c['writes']} writes"
+                                   for c in cs], fontsize=8)
+    ax.set_ylabel("GB/s (1e9 B / median time)")
+    ax.set_title("KV handoff throughput vs raw Transfer Engine")
+    ax.legend(fontsize=8)
+    o = r["overhead"]
+    for xs, label in ((o["router_ms"], "(a) via router (HTTP + gate)"), (o["direct_ms"], "(b) direct on the bus")):
+        s = sorted(xs)
+        bx.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post",
+                label=f"{label}: p50 {percentile(xs, 50):.1f} ms, p99 {percentile(xs, 99):.1f} ms")
+    bx.set_xlabel("request latency, ms (tiny, 32-token prompt, max_tokens=1)")
+    bx.set_ylabel("CDF")
+    bx.set_title(f"Router + gate overhead: p50 {o['overhead_p50_ms']:.1f} ms, p99 {o['overhead_p99_ms']:.1f} ms")
+    bx.legend(fontsize=8, loc="lower right")
+    bx.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny only, 2K only, R=1, N=10 (< 2 minutes)")
+    ap.add_argument("--out", default="bench/results/handoff.json")
+    args = ap.parse_args(argv)
+    p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
+    g = torch.Generator().manual_seed(SEED)
+    handoff, overhead = [], None
+    for model in p["models"]:
+        cases, over = run_system(model, p, g, overhead=model == "tiny")
+        handoff += cases
+        overhead = over or overhead
+    result = {
+        "command": " ".join(["python -m bench.handoff", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": info,
+        "params": {"quick": args.quick, "seed": SEED, "slot_bytes": DEFAULT_SLOT_BYTES, "engine_num_blocks": BLOCKS,
+                   "transfer": "Mooncake TE, tcp, 127.0.0.1", "max_tokens_handoff": 2, **p},
+        "units": {"*_ms": "milliseconds", "*_s": "seconds", "bytes": "bytes", "MB": "1e6 bytes",
+                  "*GBps": "1e9 bytes/second", "ratio_*": "GBps / raw_GBps"},
+        "notes": [
+            "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
+            "other ms = handoff span - gather - write - scatter: bus round trips (SlotRequest, SlotsFilled, "
+            "HandoffDone), staging/slot bookkeeping, thread hops; scatter runs inside the SlotsFilled round trip",
+            "raw TE: one write() of the handoff's pieces (same sizes) from one source to one destination buffer of "
+            "the full size, two engines in the bench process; raw_per_repeat writes before each handoff repeat",
+            "overhead: (a) and (b) interleaved, order alternating, after warm-up; distinct random 32-token prompts",
+        ],
+        "handoff": handoff, "overhead": overhead,
+    }
+    result["total_wall_s"] = time.perf_counter() - t_start
+    result["machine"].update(loadavg_at_end=os.getloadavg(),
+                             calibration_matmul_GFLOPs_at_end=calibrate_gflops())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, str(out.with_suffix(".png")))
+    print(report(result))
+    print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ from services.master.config import MasterConfig
 from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from services.store.config import StoreConfig
+from shared.config import ConfigError
 from shared.natsd import NatsServer, start_nats_server
 from shared.tomlgen import to_toml
 
@@ -45,10 +46,18 @@ class UpSettings:
     nats_url: str = ""                # empty: start an embedded nats-server on a free loopback port
     run_dir: str = ".moorage"         # configs, logs, traces, state for `moorage status`
     ready_timeout_s: float = 300.0    # give up if /health is not 200 by then
-    pool: bool = True                 # run the shared KV pool (master + stores) and let prefill use it
-    stores: int = 2                   # store services contributing DRAM to the pool
+    pool: bool = True                 # run the KV pool (master + stores) and let prefill use it
+    pool_mode: str = "shared"         # shared: every group's stores join one pool; split: a pool per group
+    groups: int = 1                   # "servers": each group has its prefills, its stores and one decode
+    stores: int = 2                   # store services per group contributing DRAM to the pool
     store_bytes: int = 1 << 30        # DRAM each store contributes (bytes)
-    prefills: int = 1                 # prefill instances (prefill-0, prefill-1, ...)
+    prefills: int = 1                 # prefill instances per group
+
+    def __post_init__(self) -> None:
+        if self.pool_mode not in ("shared", "split"):
+            raise ConfigError(f"up.pool_mode must be shared or split, got {self.pool_mode!r}")
+        if min(self.groups, self.prefills) < 1 or self.stores < 0:
+            raise ConfigError("up.groups and up.prefills must be >= 1, up.stores >= 0")
 
 
 @dataclass
@@ -88,18 +97,25 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path) -> list[tuple[str, str, ob
             sc = _replace(sc, tracing={"path": traces})
         out.append((instance, service, sc))
 
-    master_addr = ""
+    # Instances are numbered across groups (prefill-0..G*P-1, decode-0..G-1, store-0..G*S-1); the
+    # group only decides which pool a prefill uses when pools are split.
+    pools: list[str] = []  # master address per pool
     if up.pool:
-        port = _free_port()  # never collide with another pool on this host
-        master_addr = f"{cfg.master.master.host}:{port}"
-        add(cfg.master.instance, "master", cfg.master, master={"rpc_port": port})
-        for i in range(up.stores):
-            add(f"store-{i}", "store", cfg.store, store={"master_addr": master_addr, "segment_bytes": up.store_bytes})
+        for m in range(up.groups if up.pool_mode == "split" else 1):
+            port = _free_port()  # never collide with another pool on this host
+            pools.append(f"{cfg.master.master.host}:{port}")
+            add(f"master-{m}", "master", cfg.master, master={"rpc_port": port})
+        for g in range(up.groups):
+            for i in range(up.stores):
+                add(f"store-{g * up.stores + i}", "store", cfg.store,
+                    store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes})
     add(cfg.gate.instance, "gate", cfg.gate)
-    add(cfg.decode.instance, "decode", cfg.decode, engine={"model": up.model})
-    for i in range(up.prefills):
-        pool = {"enabled": True, "master_addr": master_addr} if up.pool else {"enabled": False}
-        add(f"prefill-{i}", "prefill", cfg.prefill, engine={"model": up.model}, pool=pool)
+    for g in range(up.groups):
+        add(f"decode-{g}", "decode", cfg.decode, engine={"model": up.model})
+    for g in range(up.groups):
+        for i in range(up.prefills):
+            pool = {"enabled": True, "master_addr": pools[g % len(pools)]} if up.pool else {"enabled": False}
+            add(f"prefill-{g * up.prefills + i}", "prefill", cfg.prefill, engine={"model": up.model}, pool=pool)
     add(cfg.router.instance, "router", cfg.router, router={"model": up.model, "host": up.host, "port": up.port})
     return out
 

@@ -1,0 +1,53 @@
+"""What `moorage up` starts for a topology (pure: no process is started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_config
+from shared.up import UpConfig, plan
+
+
+def topology(*overrides: str) -> dict[str, tuple[str, object]]:
+    cfg = load_config(UpConfig, overrides=list(overrides), env={})
+    return {inst: (svc, conf) for inst, svc, conf in plan(cfg, "nats://127.0.0.1:1", Path("/tmp/x"))}
+
+
+def test_default_is_one_group_with_a_two_store_pool():
+    t = topology()
+    assert list(t) == ["master-0", "store-0", "store-1", "gate-0", "decode-0", "prefill-0", "router-0"]
+    master = t["master-0"][1].master
+    assert t["prefill-0"][1].pool.enabled and t["prefill-0"][1].pool.master_addr.endswith(f":{master.rpc_port}")
+    assert all(c.bus.url == "nats://127.0.0.1:1" for _, c in t.values())
+
+
+def test_shared_pool_across_groups():
+    t = topology("up.groups=3", "up.stores=1", "up.pool_mode=shared")
+    assert [i for i in t if i.startswith("master")] == ["master-0"]
+    addrs = {t[f"prefill-{g}"][1].pool.master_addr for g in range(3)}
+    stores = {t[f"store-{g}"][1].store.master_addr for g in range(3)}
+    assert len(addrs) == 1 and addrs == stores
+    assert [i for i in t if i.startswith("decode")] == ["decode-0", "decode-1", "decode-2"]
+
+
+def test_split_pools_keep_each_group_to_its_own():
+    t = topology("up.groups=2", "up.stores=2", "up.prefills=2", "up.pool_mode=split")
+    assert [i for i in t if i.startswith("master")] == ["master-0", "master-1"]
+    g0 = {t[i][1].pool.master_addr for i in ("prefill-0", "prefill-1")} | {t[i][1].store.master_addr for i in ("store-0", "store-1")}
+    g1 = {t[i][1].pool.master_addr for i in ("prefill-2", "prefill-3")} | {t[i][1].store.master_addr for i in ("store-2", "store-3")}
+    assert len(g0) == 1 and len(g1) == 1 and g0 != g1
+
+
+def test_no_pool():
+    t = topology("up.pool=false", "up.groups=2")
+    assert not any(i.startswith(("master", "store")) for i in t)
+    assert not t["prefill-1"][1].pool.enabled
+
+
+def test_bad_topology_is_a_config_error():
+    with pytest.raises(ConfigError, match="pool_mode"):
+        topology("up.pool_mode=mirrored")
+    with pytest.raises(ConfigError):
+        topology("up.groups=0")

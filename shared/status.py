@@ -35,12 +35,28 @@ def router_health(url: str) -> str:
         return f"unreachable ({e})"
 
 
+def _detail(r: LoadReport) -> str:
+    d, mib = r.detail or {}, 1 << 20
+    if r.role == "master":
+        return (f"pool {d.get('used_bytes', 0) // mib}/{d.get('capacity_bytes', 0) // mib} MiB, "
+                f"{d.get('objects', 0)} objects, {d.get('evictions', 0)} evicted, {d.get('restarts', 0)} restarts")
+    if r.role == "store":
+        return f"segment {d.get('segment_bytes', 0) // mib} MiB{' (huge pages)' if d.get('hugepages') else ''}"
+    if r.role == "prefill" and d.get("pool"):
+        p = d["pool"]
+        return (f"pool: {p.get('restored_chunks', 0)} chunks restored, {p.get('saved_chunks', 0)} saved, "
+                f"{p.get('verify_failures', 0)} rejected")
+    if r.role == "decode":
+        return f"{d.get('landing', 0)} landing, {d.get('preemptions', 0)} preemptions"
+    return ""
+
+
 def format_table(reports: dict) -> str:
-    rows = [("ROLE", "INSTANCE", "READY", "KV CAPACITY", "KV FREE", "RUNNING", "WAITING", "QUEUED TOK")]
-    order = {"router": 0, "gate": 1, "prefill": 2, "decode": 3}
+    rows = [("ROLE", "INSTANCE", "READY", "KV CAPACITY", "KV FREE", "RUNNING", "WAITING", "QUEUED TOK", "DETAIL")]
+    order = {"router": 0, "gate": 1, "prefill": 2, "decode": 3, "master": 4, "store": 5}
     for (role, inst), (r, _) in sorted(reports.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
         rows.append((role, inst, "yes" if r.ready else "no", str(r.capacity_tokens), str(r.free_tokens),
-                     str(r.running), str(r.waiting), str(r.queued_tokens)))
+                     str(r.running), str(r.waiting), str(r.queued_tokens), _detail(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 

@@ -83,45 +83,69 @@ class HandoffSender:
         windows = self._windows(num_tokens)
         total = num_tokens * self.token_bytes
         deadline = time.monotonic() + self.config.timeout_s
-        B, i = self.layout.block_size, 0
-        while i < len(windows):
-            want = min(self.config.max_slots_per_round, len(windows) - i, len(self.staging.buffers))
-            grant = await self.bus.request(subjects.decode_slots(decode), SlotRequest(
-                request_id, self.instance, total, num_tokens, want), SlotGrant)
-            if grant.error or not grant.slots:
-                if grant.error.startswith("fatal:") or time.monotonic() > deadline:
-                    raise HandoffFailed(grant.error or "decode granted no landing slots in time")
-                await asyncio.sleep(0.02)  # decode is short of slots or KV: its credits come back soon
-                continue
-            slots = grant.slots[:want]
-            bufs = await self.staging.take(len(slots))
-            try:
-                src, dst, lens, pieces = [], [], [], []
-                t = time.perf_counter()
-                for (slot_id, addr, cap), b in zip(slots, bufs):
-                    t0, t1 = windows[i]
-                    i += 1
-                    nbytes = (t1 - t0) * self.token_bytes
-                    if nbytes > cap:
-                        raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
-                    out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
-                    await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
-                                            t1 - t0, 1, self.layout, [out])
-                    src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
-                    pieces.append([slot_id, t0 * self.token_bytes, nbytes])
-                stats.gather_ms += (time.perf_counter() - t) * 1e3
-                t = time.perf_counter()
-                await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
-                stats.write_ms += (time.perf_counter() - t) * 1e3
-            finally:
-                await self.staging.give_back(bufs)
-            stats.writes, stats.bytes, stats.rounds = stats.writes + len(src), stats.bytes + sum(lens), stats.rounds + 1
-            ack = await self.bus.request(subjects.decode_filled(decode), SlotsFilled(request_id, pieces), Ack)
-            if not ack.ok:
-                raise HandoffFailed(f"decode could not land the KV: {ack.error}")
-            stats.scatter_ms += float(ack.stats.get("scatter_ms", 0.0))
+        i = 0
+        in_flight: list[asyncio.Task] = []  # SlotsFilled acks: decode scatters round k while we do k+1
+        try:
+            while i < len(windows):
+                i = await self._round(decode, request_id, block_table, windows, i, total, num_tokens, deadline,
+                                      stats, in_flight)
+            for task in in_flight:
+                self._check_filled(await task, stats)
+        finally:
+            for task in in_flight:
+                task.cancel()
         done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds}
         ack = await self.bus.request(subjects.decode_landed(decode), done, Ack)
         if not ack.ok:
             raise HandoffFailed(f"decode refused the request: {ack.error}")
         return stats
+
+    def _check_filled(self, ack: Ack, stats: HandoffStats) -> None:
+        if not ack.ok:
+            raise HandoffFailed(f"decode could not land the KV: {ack.error}")
+        stats.scatter_ms += float(ack.stats.get("scatter_ms", 0.0))
+
+    async def _round(self, decode, request_id, block_table, windows, i, total, num_tokens, deadline, stats,
+                     in_flight) -> int:
+        """One round: credits -> gather -> one batched write -> SlotsFilled (its ack awaited later,
+        at most one round behind). Returns the next window index."""
+        subjects, B = self.bus.subjects, self.layout.block_size
+        want = min(self.config.max_slots_per_round, len(windows) - i, len(self.staging.buffers))
+        grant = await self.bus.request(subjects.decode_slots(decode), SlotRequest(
+            request_id, self.instance, total, num_tokens, want), SlotGrant)
+        if grant.error or not grant.slots:
+            if grant.error.startswith("fatal:") or time.monotonic() > deadline:
+                raise HandoffFailed(grant.error or "decode granted no landing slots in time")
+            if in_flight:  # our own earlier round holds the credits: wait for it
+                self._check_filled(await in_flight.pop(0), stats)
+            else:
+                await asyncio.sleep(0.02)  # decode is short of slots or KV: credits come back soon
+            return i
+        slots = grant.slots[:want]
+        bufs = await self.staging.take(len(slots))
+        try:
+            src, dst, lens, pieces = [], [], [], []
+            t = time.perf_counter()
+            for (slot_id, addr, cap), b in zip(slots, bufs):
+                t0, t1 = windows[i]
+                i += 1
+                nbytes = (t1 - t0) * self.token_bytes
+                if nbytes > cap:
+                    raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
+                out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
+                await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
+                                        t1 - t0, 1, self.layout, [out])
+                src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
+                pieces.append([slot_id, t0 * self.token_bytes, nbytes])
+            stats.gather_ms += (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
+            stats.write_ms += (time.perf_counter() - t) * 1e3
+        finally:
+            await self.staging.give_back(bufs)
+        stats.writes, stats.bytes, stats.rounds = stats.writes + len(src), stats.bytes + sum(lens), stats.rounds + 1
+        in_flight.append(asyncio.create_task(self.bus.request(
+            subjects.decode_filled(decode), SlotsFilled(request_id, pieces), Ack)))
+        if len(in_flight) > 1:
+            self._check_filled(await in_flight.pop(0), stats)
+        return i

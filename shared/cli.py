@@ -99,6 +99,28 @@ def _serve(args: argparse.Namespace) -> int:
     return run_service(args.service, config_cls, serve, args.rest)
 
 
+def _add_passthrough(sub, name: str, help_: str, target: str) -> None:
+    """A subcommand whose arguments belong to another module's own parser (benchmarks, traces)."""
+    p = sub.add_parser(name, help=help_, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _call(target, a.rest))
+
+
+def _call(target: str, rest: list[str]) -> int:
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(rest)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    targets = {"agentic": "bench.agentic.replay:main", "sweep": "bench.agentic.sweep:main"}
+    if not args.rest or args.rest[0] not in targets:
+        print(f"usage: moorage bench {{{','.join(targets)}}} [options]  (--help after the name for options)")
+        return 2
+    return _call(targets[args.rest[0]], args.rest[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moorage", description="moorage: disaggregated serving with a shared KV pool")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub)
     _add_serve(sub)
     _add_status(sub)
+    _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one", "bench.agentic.synth:main")
+    bench = sub.add_parser("bench", help="agentic replay (`bench agentic`) and topology sweeps (`bench sweep`)",
+                           add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -110,7 +110,7 @@ class Client:
                                LoadReport(instance=name, role="decode", ready=ready, capacity_tokens=capacity,
                                           free_tokens=free))
 
-    async def gate_state(self, pred, timeout: float = 5.0) -> LoadReport:
+    async def gate_state(self, pred, timeout: float = 20.0) -> LoadReport:
         """The first gate load report (after now) whose detail satisfies pred."""
         deadline = time.monotonic() + timeout
         while True:
@@ -126,6 +126,8 @@ async def connect(nats_url):
     async def make(gate: GateProcess) -> Client:
         c = await Client.connect(nats_url, gate.prefix)
         clients.append(c)
+        # the gate reports only once it has subscribed: before that a fake decode's report is lost
+        await c.gate_state(lambda d: True, timeout=60.0)
         return c
 
     yield make
@@ -170,7 +172,7 @@ async def test_release_lets_a_waiting_request_in(start_gate, connect):
     await c.gate_state(lambda d: d["waiting"] == 1)
     assert not waiting.done()
     await c.release("a")
-    r = await asyncio.wait_for(waiting, 2.0)
+    r = await asyncio.wait_for(waiting, 10.0)
     assert (r.status, r.decode_instance) == ("admitted", "d0") and r.waited_ms > 50
     await c.release("a")  # duplicate: counted, nothing else
     report = await c.gate_state(lambda d: d["release_duplicate"] == 1)

@@ -58,7 +58,8 @@ def reference(loaded, prompt_ids, max_tokens):
     return seq
 
 
-async def load_reports(nats: str, seconds: float = 1.3) -> dict[str, LoadReport]:
+async def load_reports(nats: str, roles=("gate", "prefill", "decode"), seconds: float = 1.3) -> dict[str, LoadReport]:
+    """The latest report of each role after at least `seconds` (longer if one is late: a loaded box)."""
     bus = await Bus.connect(BusConfig(url=nats), "test-observer")
     seen: dict[str, LoadReport] = {}
 
@@ -67,6 +68,9 @@ async def load_reports(nats: str, seconds: float = 1.3) -> dict[str, LoadReport]
 
     await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
     await asyncio.sleep(seconds)
+    deadline = time.monotonic() + 20
+    while not set(roles) <= set(seen) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     await bus.close()
     return seen
 

@@ -69,7 +69,8 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def reports(nats: str, seconds: float = 1.3) -> dict[str, LoadReport]:
+async def reports(nats: str, seconds: float = 1.3, prefills: int = 1) -> dict[str, LoadReport]:
+    """Latest report per instance; waits (on a loaded box) until `prefills` prefills have reported."""
     bus = await Bus.connect(BusConfig(url=nats), "pool-test")
     seen: dict[str, LoadReport] = {}
 
@@ -78,6 +79,9 @@ async def reports(nats: str, seconds: float = 1.3) -> dict[str, LoadReport]:
 
     await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
     await asyncio.sleep(seconds)
+    deadline = time.monotonic() + 20
+    while sum(r.role == "prefill" for r in seen.values()) < prefills and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     await bus.close()
     return seen
 
@@ -89,7 +93,7 @@ def evict_device(base: str, session: str, salt: int) -> None:
 
 def owner_of(nats: str, served_before: dict[str, int]) -> str:
     """The prefill whose restore/save counters moved (which instance served the last turns)."""
-    now = asyncio.run(reports(nats))
+    now = asyncio.run(reports(nats, prefills=2))
     moved = [i for i, r in now.items() if r.role == "prefill"
              and r.detail["pool"]["saved_chunks"] != served_before.get(i, 0)]
     assert len(moved) == 1, moved
@@ -186,7 +190,7 @@ def test_corrupted_object_is_detected_and_recomputed(system, tiny):
 
 def test_next_turn_restores_on_the_other_prefill_when_its_owner_stops(system, tiny):
     launcher, base, nats = system
-    before = {i: r.detail["pool"]["saved_chunks"] for i, r in asyncio.run(reports(nats)).items()
+    before = {i: r.detail["pool"]["saved_chunks"] for i, r in asyncio.run(reports(nats, prefills=2)).items()
               if r.role == "prefill"}
     history = tokens(7, 800)
     complete(base, history, "s-move")

@@ -32,6 +32,16 @@ class LogConfig:
 
 
 @dataclass
+class ServiceConfig:
+    """The keys every service has; each service's config adds its own section(s)."""
+    instance: str = "service-0"       # this instance's name on the bus
+    load_interval_s: float = 1.0      # how often it publishes its load report
+    bus: BusConfig = field(default_factory=BusConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+@dataclass
 class ServiceContext:
     role: str
     instance: str
@@ -119,4 +129,4 @@ def run_service(role: str, config_cls: type, serve: Callable[[ServiceContext], A
         return asyncio.run(_run(role, config, serve))
 
 
-__all__ = ["BusConfig", "LogConfig", "ServiceContext", "TracingConfig", "run_service"]
+__all__ = ["BusConfig", "LogConfig", "ServiceConfig", "ServiceContext", "TracingConfig", "run_service"]

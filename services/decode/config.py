@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus import BusConfig
 from shared.engine.engine import EngineConfig
-from shared.service import LogConfig
-from shared.tracing import TracingConfig
+from shared.service import ServiceConfig
 from shared.transfer import TransferConfig
 
 
 @dataclass
-class DecodeConfig:
+class DecodeConfig(ServiceConfig):
     instance: str = "decode-0"
-    load_interval_s: float = 1.0
-    bus: BusConfig = field(default_factory=BusConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)

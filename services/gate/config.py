@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus import BusConfig
 from shared.config import ConfigError
-from shared.service import LogConfig
-from shared.tracing import TracingConfig
+from shared.service import ServiceConfig
 
 
 @dataclass
@@ -32,10 +30,6 @@ class GateSettings:
 
 
 @dataclass
-class GateConfig:
+class GateConfig(ServiceConfig):
     instance: str = "gate-0"
-    load_interval_s: float = 1.0
-    bus: BusConfig = field(default_factory=BusConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     gate: GateSettings = field(default_factory=GateSettings)

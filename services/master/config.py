@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus import BusConfig
 from shared.config import ConfigError
-from shared.service import LogConfig
-from shared.tracing import TracingConfig
+from shared.service import ServiceConfig
 
 
 @dataclass
@@ -37,10 +35,6 @@ class MasterSettings:
 
 
 @dataclass
-class MasterConfig:
+class MasterConfig(ServiceConfig):
     instance: str = "master-0"
-    load_interval_s: float = 1.0
-    bus: BusConfig = field(default_factory=BusConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     master: MasterSettings = field(default_factory=MasterSettings)

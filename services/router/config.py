@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus import BusConfig
 from shared.config import ConfigError
-from shared.service import LogConfig
-from shared.tracing import TracingConfig
+from shared.service import ServiceConfig
 
 ROUTING_POLICIES = ("cache-aware", "sticky", "p2c")  # routing.POLICIES
 
@@ -56,10 +54,6 @@ class RouterSettings:
 
 
 @dataclass
-class RouterConfig:
+class RouterConfig(ServiceConfig):
     instance: str = "router-0"
-    load_interval_s: float = 1.0
-    bus: BusConfig = field(default_factory=BusConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     router: RouterSettings = field(default_factory=RouterSettings)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus import BusConfig
 from shared.config import ConfigError
-from shared.service import LogConfig
-from shared.tracing import TracingConfig
+from shared.service import ServiceConfig
 
 
 @dataclass
@@ -29,10 +27,6 @@ class StoreSettings:
 
 
 @dataclass
-class StoreConfig:
+class StoreConfig(ServiceConfig):
     instance: str = "store-0"
-    load_interval_s: float = 1.0
-    bus: BusConfig = field(default_factory=BusConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     store: StoreSettings = field(default_factory=StoreSettings)

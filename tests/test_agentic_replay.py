@@ -187,8 +187,11 @@ def test_lanes_bound_concurrency_and_take_sessions_in_order(fake):
     firsts = {}
     for e in f.log:
         firsts.setdefault(e["session"], e["t_start"])
-    assert sorted(firsts, key=firsts.get) == [f"s{i}" for i in range(5)]
-    f.reset(ttft_s=0.1)
+    order = sorted(firsts, key=firsts.get)
+    # the two lanes start with the first two sessions (in either order: they race) and take the
+    # rest from the queue; the last one is taken last
+    assert set(order[:2]) == {"s0", "s1"} and order[-1] == "s4"
+    f.reset(ttft_s=0.5)  # long enough that five lanes overlap even on a loaded machine
     run(sessions, cfg(url, concurrency=5))
     assert f.max_in_flight == 5
 

@@ -83,27 +83,33 @@ class PoolConnector:
                                  "candidate_chunks": max(0, usable - c0)})
             if (usable - c0) * CHUNK_TOKENS < self.settings.min_restore_tokens:
                 return None
-            digests = chunk_hashes(prompt, self.seed)[c0:usable]
-            present = await self.present(digests)
+            digests = chunk_hashes(prompt, self.seed)[:usable]
+            present = await self.present(digests[c0:])
             hits = next((i for i, p in enumerate(present) if not p), len(present))
             span.set_attribute("hit_chunks", hits)
             if hits * CHUNK_TOKENS < self.settings.min_restore_tokens:
                 return None
         with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
             async with self.restore_lock:
-                return await self._restore(prompt, c0, digests[:hits], span)
+                return await self._restore(prompt, digests[:c0 + hits], span)
 
-    async def _restore(self, prompt: list[int], c0: int, digests: list[bytes], span) -> Restored | None:
+    async def _restore(self, prompt: list[int], digests: list[bytes], span) -> Restored | None:
+        """Restores chunks after the device prefix, up to len(digests). The device may have changed
+        since the lookup (this request may have waited for the lock): start from what it holds now,
+        and restore as many chunks as fit in the blocks free now (some beat none)."""
         bpc = self.blocks_per_chunk
 
-        def reserve() -> tuple[list[int], list[int]] | None:
+        def reserve() -> tuple[int, list[int], list[int]] | None:
             """Between steps: hold the device prefix we build on, and fresh blocks to restore into."""
-            prefix = self.bm.match_prefix(prompt, max_tokens=c0 * CHUNK_TOKENS).block_ids
-            if len(prefix) != c0 * bpc:
-                return None  # evicted since the lookup: just compute
+            held = self.bm.match_prefix(prompt, max_tokens=len(digests) * CHUNK_TOKENS).block_ids
+            c_start = len(held) // bpc
+            n = min(len(digests) - c_start, self.bm.num_free_blocks // bpc)
+            if n * CHUNK_TOKENS < self.settings.min_restore_tokens:
+                return None
+            prefix = held[:c_start * bpc]
             self.bm.acquire(prefix)
             try:
-                return prefix, self.bm.allocate(len(digests) * bpc)
+                return c_start, prefix, self.bm.allocate(n * bpc)
             except OutOfBlocks:
                 self.bm.release(reversed(prefix))
                 return None
@@ -111,7 +117,8 @@ class PoolConnector:
         reserved = await self.loop.call(reserve)
         if reserved is None:
             return None
-        prefix, fresh = reserved
+        c0, prefix, fresh = reserved
+        digests = digests[c0:c0 + len(fresh) // bpc]
         t0, stage_ms, good, nbytes = time.perf_counter(), [0.0] * self.stages, 0, 0
         batch = self.settings.restore_batch_chunks
         try:

@@ -203,3 +203,28 @@ def test_pinned_blocks_survive_until_admission_and_are_released(tiny):
     with pytest.raises(ValueError):
         engine.add_request("q", prompt, SamplingParams(max_tokens=10**6), pinned_blocks=pinned)
     assert bm.num_free_blocks == 16
+
+
+def test_pins_of_queued_requests_never_starve_the_head(tiny):
+    """Restored-and-pinned blocks of requests waiting behind the head are given up when the head
+    cannot otherwise be scheduled: no deadlock, same output."""
+    engine = Engine(tiny, EngineConfig(num_blocks=24, max_num_seqs=1))
+    bm = engine.block_manager
+    warm = [_long_prompt(tiny, 160)[i:] + [7] * i for i in (1, 2)]  # two distinct 160-token histories
+    for p in warm:
+        engine.generate([p], SamplingParams(max_tokens=1))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    head = engine.add_request("head", _long_prompt(tiny, 300), params)
+    queued = []
+    for i, p in enumerate(warm):  # pinned like a restore would: 10 blocks each, 20 of 24
+        pinned = bm.match_prefix(p).block_ids
+        bm.acquire(pinned)
+        queued.append(engine.add_request(f"q{i}", p + [1, 2, 3], params, pinned_blocks=pinned))
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert head.is_finished and all(q.is_finished for q in queued)
+    assert head.output_ids == scratch(tiny, _long_prompt(tiny, 300), params).output_ids
+    bm.check_integrity()
+    assert bm.num_free_blocks == 24

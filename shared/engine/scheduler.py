@@ -82,6 +82,11 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._try_grow(seq, n):
                 self._drop_blocks(seq)  # retry later, when blocks are free
+                if not self.running:
+                    # Nothing running will free blocks: pins held by requests further back in the
+                    # queue must not starve the head (a pin is an optimisation, never a right).
+                    for other in self.waiting:
+                        self._unpin(other)
                 break
             self.waiting.popleft()
             seq.first_scheduled_ns = seq.first_scheduled_ns or time.time_ns()

@@ -228,3 +228,25 @@ def test_pins_of_queued_requests_never_starve_the_head(tiny):
     assert head.output_ids == scratch(tiny, _long_prompt(tiny, 300), params).output_ids
     bm.check_integrity()
     assert bm.num_free_blocks == 24
+
+
+def test_pins_never_stall_a_running_chunked_prefill(tiny):
+    """A prompt being prefilled in chunks needs more blocks while requests queued behind it hold
+    pins on the rest: the pins go, the prompt finishes."""
+    engine = Engine(tiny, EngineConfig(num_blocks=24, max_batched_tokens=64, max_num_seqs=1))
+    bm = engine.block_manager
+    warm = _long_prompt(tiny, 160)[3:] + [9, 9, 9]
+    engine.generate([warm], SamplingParams(max_tokens=1))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    head = engine.add_request("head", _long_prompt(tiny, 300), params)
+    engine.step()  # head is running: 64 of its 300 tokens computed
+    pinned = bm.match_prefix(warm).block_ids
+    bm.acquire(pinned)
+    engine.add_request("queued", warm + [1], params, pinned_blocks=pinned)
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert head.is_finished and not engine.has_unfinished()
+    assert head.output_ids == scratch(tiny, _long_prompt(tiny, 300), params).output_ids
+    bm.check_integrity()

@@ -55,9 +55,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        if not batch.seqs:
-            batch = self._schedule_decode()
+        batch = self._schedule_once()
+        if batch is None and any(s.pinned_blocks for s in self.waiting):
+            # Nothing can run, and queued requests hold pins: a pin is an optimisation, never a
+            # right, so give them up rather than stall the requests ahead of them.
+            for seq in self.waiting:
+                self._unpin(seq)
+            batch = self._schedule_once()
         if batch is not None:
             st, n = self.stats, sum(batch.num_tokens)
             if batch.is_prefill:
@@ -65,6 +69,10 @@ class Scheduler:
             else:
                 st.decode_steps, st.decode_tokens_computed = st.decode_steps + 1, st.decode_tokens_computed + n
         return batch
+
+    def _schedule_once(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        return batch if batch.seqs else self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
         batch = ScheduledBatch(True, [], [])
@@ -82,11 +90,6 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._try_grow(seq, n):
                 self._drop_blocks(seq)  # retry later, when blocks are free
-                if not self.running:
-                    # Nothing running will free blocks: pins held by requests further back in the
-                    # queue must not starve the head (a pin is an optimisation, never a right).
-                    for other in self.waiting:
-                        self._unpin(other)
                 break
             self.waiting.popleft()
             seq.first_scheduled_ns = seq.first_scheduled_ns or time.time_ns()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.natsbus import nats_url as _nats_url
+
 # Models are imported lazily: service tests that never touch torch start in milliseconds.
 
 
@@ -25,3 +27,10 @@ def smollm2():
 def model(request):
     """Indirect parametrization: `@pytest.mark.parametrize("model", ["tiny", "smollm2"], indirect=True)`."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    """A real NATS for this module: NATS_URL, else testcontainers, else the nats-server binary."""
+    with _nats_url() as url:
+        yield url

@@ -4,7 +4,6 @@ error replies, and the subject layout. Each test gets its own subject prefix."""
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 
 import pytest
@@ -13,19 +12,6 @@ from opentelemetry import trace
 from shared import tracing
 from shared.bus import DEFAULT_MAX_MESSAGE_BYTES, Bus, BusConfig, PayloadTooLarge, Subjects
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, MessageError, PrefillSubmit, Release
-from shared.natsd import start_nats_server
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    if os.environ.get("NATS_URL"):
-        yield os.environ["NATS_URL"]
-        return
-    server = start_nats_server()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture

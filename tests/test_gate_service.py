@@ -4,7 +4,6 @@ the thing under test is the gate. Each test gets its own gate and its own subjec
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -18,22 +17,9 @@ import pytest
 from shared import tracing
 from shared.bus import Bus, BusConfig
 from shared.messages import AdmitReply, AdmitRequest, LoadReport, Release
-from shared.natsd import start_nats_server
 from shared.tracing import TracingConfig
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    if os.environ.get("NATS_URL"):
-        yield os.environ["NATS_URL"]
-        return
-    server = start_nats_server()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 class GateProcess:

@@ -21,18 +21,12 @@ from services.store.main import meminfo, plan_hugepages
 from shared.bus import Bus, BusConfig
 from shared.messages import LoadReport
 from shared.pool import NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, PoolClient, PoolConfig, PoolError
-from tests.natsbus import free_port, nats_url as _nats_url
+from tests.natsbus import free_port
 
 pytest.importorskip("mooncake.store")
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    with _nats_url() as url:
-        yield url
 
 
 class Service:

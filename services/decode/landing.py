@@ -3,11 +3,19 @@
 A request's landing owns the KV blocks allocated for its prompt (reserved by the gate's admission)
 until `HandoffDone` passes them to the engine, or until it is cancelled or idles past the timeout;
 then they are released. Slots are credits: each is returned as soon as its bytes are scattered.
+
+Cancel races every other message of the request (NATS runs each subscription's handler as its own
+task), so two invariants hold across the awaits below:
+- a cancelled id is remembered (`cancelled`), and a grant or adoption that was already under way when
+  the cancel came lets go of what it took instead of keeping it for ever;
+- blocks of a dropped landing go back to the engine only once no scatter is writing into them, so a
+  late write can never land in blocks that another request has been given since.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kernels import get_kv_kernels
@@ -26,6 +34,11 @@ class Landing:
     received: set[int] = field(default_factory=set)  # byte offsets of windows that landed
     received_bytes: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    scattering: int = 0    # scatters writing into `blocks` right now
+    dropped: bool = False  # cancelled or expired: the last scatter to finish frees the blocks
+
+
+_CANCELLED_MEMORY = 4096  # cancelled ids remembered, to refuse their late grants and adoptions
 
 
 class LandingZone:
@@ -35,9 +48,15 @@ class LandingZone:
         self.token_bytes = self.layout.bytes_per_token
         self.kernels = get_kv_kernels(engine.pages[0].device)
         self.landings: dict[str, Landing] = {}
+        self.cancelled: OrderedDict[str, None] = OrderedDict()
+
+    def is_cancelled(self, rid: str) -> bool:
+        return rid in self.cancelled
 
     async def grant(self, msg: SlotRequest, raw=None) -> SlotGrant:
         rid = msg.request_id
+        if rid in self.cancelled:
+            return SlotGrant(rid, error="fatal: request cancelled")
         landing = self.landings.get(rid)
         if landing is None:
             if msg.total_bytes != msg.num_tokens * self.token_bytes:
@@ -48,7 +67,13 @@ class LandingZone:
                 blocks = await self.loop.call(lambda: self.engine.block_manager.allocate(n_blocks))
             except OutOfBlocks:
                 return SlotGrant(rid, error="no free KV blocks yet")
-            landing = self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
+            if rid in self.cancelled or rid in self.landings:  # cancelled, or a duplicate grant won, meanwhile
+                await self.loop.call(lambda: self.engine.block_manager.release(blocks))
+                if rid in self.cancelled:
+                    return SlotGrant(rid, error="fatal: request cancelled")
+            else:
+                self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
+            landing = self.landings[rid]
         landing.last_activity = time.monotonic()
         slots = self.slots.acquire(max(0, msg.max_slots), owner=rid)
         return SlotGrant(rid, self.endpoint, [[s.slot_id, s.addr, s.nbytes] for s in slots])
@@ -68,8 +93,15 @@ class LandingZone:
                     raise ValueError(f"bad piece {slot_id, offset, nbytes}")
                 start, n = offset // self.token_bytes, nbytes // self.token_bytes
                 buf = self.slots.view(slot_id, nbytes).view(self.layout.dtype)
-                await self.loop.run_in_worker(lambda: self.kernels.scatter_from_rank(
-                    buf, self.engine.pages[0], landing.blocks[start // B:], n))
+                landing.scattering += 1
+                try:
+                    await self.loop.run_in_worker(lambda: self.kernels.scatter_from_rank(
+                        buf, self.engine.pages[0], landing.blocks[start // B:], n))
+                finally:
+                    landing.scattering -= 1
+                if landing.dropped:
+                    await self._free_if_idle(landing)
+                    return Ack(rid, False, "request cancelled")
                 if offset not in landing.received:
                     landing.received.add(offset)
                     landing.received_bytes += nbytes
@@ -91,12 +123,22 @@ class LandingZone:
         return self.landings.pop(rid)
 
     async def drop(self, rid: str) -> bool:
-        """Cancel: free the slots and blocks of a landing in progress."""
+        """Cancel: remember the id, free the slots and (once no scatter uses them) the blocks of a
+        landing in progress. True if there was one."""
+        self.cancelled[rid] = None
+        while len(self.cancelled) > _CANCELLED_MEMORY:
+            self.cancelled.popitem(last=False)
         self.slots.release_owner(rid)
         landing = self.landings.pop(rid, None)
         if landing is not None:
-            await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))
+            landing.dropped = True
+            await self._free_if_idle(landing)
         return landing is not None
+
+    async def _free_if_idle(self, landing: Landing) -> None:
+        if landing.scattering == 0 and landing.blocks:
+            blocks, landing.blocks = landing.blocks, []
+            await self.loop.call(lambda: self.engine.block_manager.release(blocks))
 
     async def expire(self, timeout_s: float) -> list[str]:
         now = time.monotonic()

@@ -58,6 +58,11 @@ class DecodeService:
             await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))
             span.end()
             return Ack(rid, False, str(e))
+        if self.zone.is_cancelled(rid):  # the cancel came while the engine was adopting it
+            await self.loop.call(lambda: self.engine.abort(rid))
+            span.set_attribute("cancelled", True)
+            span.end()
+            return Ack(rid, False, "request cancelled")
         self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic())
         return Ack(rid, True)
 

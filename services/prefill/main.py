@@ -90,10 +90,13 @@ class PrefillService:
         p.cancelled = True
         if p.handoff is not None:
             p.handoff.cancel()  # its finally releases the blocks
-        else:
+        elif p.seq is None:  # still restoring: _admit sees `cancelled` and lets go
             self.pending.pop(msg.request_id, None)
-            if p.seq is not None:  # else still restoring: _admit sees `cancelled` and lets go
-                await self.loop.call(lambda: self.engine.abort(msg.request_id))
+        else:
+            # Stays pending until the abort applies: a step that finishes it "prefilled" first reaches
+            # on_outputs, which must still find it to free the KV it kept for the handoff.
+            await self.loop.call(lambda: self.engine.abort(msg.request_id))
+            self.pending.pop(msg.request_id, None)
         self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
     # ---- engine outputs ----------------------------------------------------------------------------
@@ -101,6 +104,11 @@ class PrefillService:
         for out in outputs:
             p = self.pending.get(out.request_id)
             if p is None or p.seq is None:
+                continue
+            if p.cancelled:  # finished before the abort applied: nobody will take its KV
+                if out.finish_reason == "prefilled":
+                    self.engine.block_manager.release(reversed(p.seq.block_table))
+                self.pending.pop(out.request_id, None)
                 continue
             self._trace_compute(p)
             sources = self._sources(p.seq)

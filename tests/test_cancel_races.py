@@ -1,0 +1,125 @@
+"""A Cancel that overtakes the other messages of its request must not leak KV.
+
+NATS runs each subscription's handler as its own task, so a Cancel can arrive while decode is
+allocating a landing, scattering into it or adopting it, or while prefill's engine is finishing the
+very step that hands the request off. Each test below pins one such interleaving (the engine loop's
+order is: step -> on_outputs -> calls queued meanwhile) with a real tiny engine and checks that every
+block comes back. These are the leaks a client disconnect used to leave behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.decode.landing import LandingZone
+from services.decode.main import DecodeService
+from services.prefill.main import Pending, PrefillService
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.logging import get_logger
+from shared.messages import Cancel, HandoffDone, SlotRequest, SlotsFilled
+from shared.transfer import LandingSlots
+
+NUM_BLOCKS = 32
+
+
+def _ctx(role: str):
+    bus = SimpleNamespace(trace_context=lambda raw: None, published=[])
+
+    async def publish(subject, msg):
+        bus.published.append((subject, msg))
+
+    bus.publish = publish
+    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
+
+
+@pytest.fixture
+def engine(tiny):
+    return Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+
+
+@pytest.fixture
+async def decode(engine):
+    slots = LandingSlots(4, 1 << 20)
+    svc = DecodeService(_ctx("decode"), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
+    svc.loop.start()
+    yield svc
+    await svc.loop.stop()
+    engine.block_manager.check_integrity()
+    assert slots.num_free == 4
+
+
+def _slot_request(zone: LandingZone, rid: str, num_tokens: int) -> SlotRequest:
+    return SlotRequest(rid, "prefill-0", num_tokens * zone.token_bytes, num_tokens, max_slots=2)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_cancel_during_grant_frees_the_new_landing(decode, engine):
+    zone = decode.zone
+    grant = asyncio.create_task(zone.grant(_slot_request(zone, "r1", 40)))
+    await asyncio.sleep(0)  # the grant now waits for its blocks from the engine loop
+    assert not await zone.drop("r1")  # nothing landed yet
+    reply = await grant
+    assert reply.error and "cancelled" in reply.error and not reply.slots
+    assert "r1" not in zone.landings and engine.block_manager.num_free_blocks == NUM_BLOCKS
+    late = await zone.grant(_slot_request(zone, "r1", 40))  # a retry after the cancel is refused too
+    assert late.error and not late.slots and engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+async def test_blocks_stay_out_of_reach_while_a_scatter_writes_them(decode, engine):
+    zone = decode.zone
+    reply = await zone.grant(_slot_request(zone, "r1", 40))
+    slot_id = reply.slots[0][0]
+    blocks = list(zone.landings["r1"].blocks)
+    filled = asyncio.create_task(zone.filled(SlotsFilled("r1", [[slot_id, 0, 16 * zone.token_bytes]])))
+    await asyncio.sleep(0)  # the scatter is running in a worker thread
+    assert zone.landings["r1"].scattering == 1
+    assert await zone.drop("r1")
+    free = set(engine.block_manager._plain_free) | set(engine.block_manager._cached_free)
+    assert not free & set(blocks), "blocks freed while a scatter still writes into them"
+    ack = await filled
+    assert not ack.ok and "cancelled" in ack.error
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+async def test_cancel_during_adoption_aborts_the_adopted_request(decode, engine, tiny):
+    zone = decode.zone
+    prompt = tiny.tokenizer.encode("adopt me then cancel me")
+    reply = await zone.grant(_slot_request(zone, "r1", len(prompt)))
+    ack = await zone.filled(SlotsFilled("r1", [[reply.slots[0][0], 0, len(prompt) * zone.token_bytes]]))
+    assert ack.ok
+    params = SamplingParams(max_tokens=200, ignore_eos=True).to_dict()
+    landed = asyncio.create_task(decode.on_landed(
+        HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0, "computed": len(prompt)}), None))
+    await asyncio.sleep(0)  # the engine loop has the adoption queued
+    await decode.on_cancel(Cancel("r1", "client closed"), None)
+    ack = await landed
+    assert not ack.ok and "cancelled" in ack.error
+    await _settle()
+    assert not decode.active and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
+    svc = PrefillService(_ctx("prefill"), engine, sender=None)
+    prompt = tiny.tokenizer.encode("prefill me and hand me off " * 3)
+    seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
+    svc.pending["r1"] = Pending(SimpleNamespace(request_id="r1", prompt_ids=prompt), None, seq)
+    cancel = asyncio.create_task(svc.on_cancel(Cancel("r1", "client closed"), None))
+    await asyncio.sleep(0)  # the abort is queued behind the step below
+    outputs = engine.step()  # the step already running when the cancel came: it finishes "prefilled"
+    assert outputs[0].finish_reason == "prefilled" and engine.block_manager.num_free_blocks < NUM_BLOCKS
+    await svc.on_outputs(outputs)
+    svc.loop.start()  # applies the queued abort
+    await cancel
+    await svc.loop.stop()
+    assert not svc.pending and not svc.tasks, "a cancelled request must not start a handoff"
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+    engine.block_manager.check_integrity()

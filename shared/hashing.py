@@ -57,5 +57,5 @@ def block_hashes(token_ids: Sequence[int], seed: bytes) -> list[bytes]:
     return chain_hashes(token_ids, BLOCK_TOKENS, seed)
 
 
-def chunk_hashes(token_ids: Sequence[int], seed: bytes) -> list[bytes]:
-    return chain_hashes(token_ids, CHUNK_TOKENS, seed)
+def chunk_hashes(token_ids: Sequence[int], seed: bytes, chunk_tokens: int = CHUNK_TOKENS) -> list[bytes]:
+    return chain_hashes(token_ids, chunk_tokens, seed)

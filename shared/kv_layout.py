@@ -3,7 +3,7 @@
 Device pages (per pipeline stage s, holding layers `stage_layers(s)`):
     pages[s]: [num_blocks, layers_in_stage, 2 (k, v), block_size, num_kv_heads, head_dim]
 Block-major, so one block of one stage (all its layers, K and V) is one contiguous span: a store chunk
-(16 blocks) packs into one buffer with a single gather. Block ids are shared across stages: one block
+(`chunk_tokens`, 16 blocks by default) packs into one buffer with a single gather. Block ids are shared across stages: one block
 table per sequence covers every stage.
 
 Store payload for one (chunk, stage): pages[s][chunk block ids] -> [n_blocks, Ls, 2, B, H, D] contiguous.
@@ -30,12 +30,14 @@ class KVLayout:
     dtype: torch.dtype = torch.float32
     stages: int = 1
     block_size: int = BLOCK_TOKENS
+    chunk_tokens: int = CHUNK_TOKENS  # tokens per store object (a multiple of block_size)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stages <= self.num_layers:
             raise ValueError(f"stages must be in [1, {self.num_layers}], got {self.stages}")
-        if CHUNK_TOKENS % self.block_size:
-            raise ValueError(f"block_size {self.block_size} must divide the chunk size {CHUNK_TOKENS}")
+        if self.chunk_tokens < self.block_size or self.chunk_tokens % self.block_size:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a positive multiple of the block size "
+                             f"{self.block_size}")
 
     def stage_layers(self, stage: int) -> range:
         """Contiguous layer span of a stage; earlier stages take the remainder layers."""
@@ -67,14 +69,14 @@ class KVLayout:
         return len(self.stage_layers(stage)) * 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
 
     def chunk_payload_bytes(self, stage: int) -> int:
-        return CHUNK_TOKENS * self.stage_bytes_per_token(stage)
+        return self.chunk_tokens * self.stage_bytes_per_token(stage)
 
     def fingerprint(self, model_id: str, tenant_salt: str = "") -> str:
         """Namespace for hashes and store keys: differs whenever KV bytes could differ in meaning."""
         spec = "|".join(
             str(x)
             for x in (model_id, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
-                      self.block_size, CHUNK_TOKENS, self.stages, tenant_salt, "layout-v1")
+                      self.block_size, self.chunk_tokens, self.stages, tenant_salt, "layout-v1")
         )
         return "mrg1-" + hashlib.blake2b(spec.encode(), digest_size=8).hexdigest()
 

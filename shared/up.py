@@ -35,6 +35,8 @@ from shared.config import ConfigError
 from shared.natsd import NatsServer, start_nats_server
 from shared.tomlgen import to_toml
 
+READY_ROLES = ("gate", "prefill", "decode")  # the roles the router's /health lists by instance
+
 STATE_FILE = "up.json"
 
 
@@ -158,18 +160,25 @@ class Launcher:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
     def wait_ready(self, url: str) -> None:
+        """Until the router's /health lists every gate, prefill and decode started here as ready: a
+        request sent earlier would be routed as if the missing instances did not exist."""
         deadline = time.monotonic() + self.cfg.up.ready_timeout_s
+        expected = {name for name in self.procs if name.rsplit("-", 1)[0] in READY_ROLES}
+        missing = expected
         while time.monotonic() < deadline and not self._stopping:
             if self.dead():
                 raise RuntimeError(f"{', '.join(self.dead())} exited during start-up; see {self.run_dir}/*.log")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    ready = json.loads(r.read()).get("ready", {})
+                    missing = expected - {i for instances in ready.values() for i in instances}
+                    if r.status == 200 and not missing:
                         return
-            except OSError:
+            except (OSError, ValueError):
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"not ready after {self.cfg.up.ready_timeout_s:.0f} s; see {self.run_dir}/*.log")
+        raise TimeoutError(f"not ready after {self.cfg.up.ready_timeout_s:.0f} s (not reported ready: "
+                           f"{', '.join(sorted(missing)) or '-'}); see {self.run_dir}/*.log")
 
     def stop(self, timeout: float = 15.0) -> None:
         self._stopping = True

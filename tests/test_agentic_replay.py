@@ -315,8 +315,11 @@ def test_measured_ceiling_splits_trace_ceiling():
     from bench.agentic.trace import iter_requests
 
     per = [(s, [(r, i < 2) for i, (_, r) in enumerate(iter_requests(s))]) for s in sessions]
-    split = rp.split_ceiling(per)
+    per_request: dict = {}
+    split = rp.split_ceiling(per, per_request)
     assert split["sent"] == ceiling(sessions)
+    assert sum(per_request.values()) == split["sent"]["reusable_tokens"] and len(per_request) == sum(
+        len(items) for _, items in per)
     assert split["measured"]["prompt_tokens"] + split["warmup"]["prompt_tokens"] == ceiling(sessions)["prompt_tokens"]
     assert split["measured"]["ratio"] > ceiling(sessions)["ratio"]  # the cold first turns are warm-up
 

@@ -48,9 +48,9 @@ def system(tmp_path_factory):
             launcher.stop()
 
 
-def complete(base: str, prompt: list[int], session: str) -> dict:
+def complete(base: str, prompt: list[int], session: str, max_tokens: int = MAX_TOKENS) -> dict:
     r = httpx.post(base + "/v1/completions", timeout=120, headers={"X-Session-ID": session}, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
     u = body["usage"]
@@ -130,6 +130,21 @@ def test_turn_restores_history_from_pool_after_device_eviction(system, tiny):
     restore = spans["store.restore"]["attributes"]
     assert spans["store.lookup"]["attributes"]["hit_chunks"] == 2
     assert restore["chunks"] == 2 and restore["bytes"] > 0 and "stage1_ms" in restore
+
+
+def test_turn_that_ends_in_prefill_still_saves_its_history(system, tiny):
+    """max_tokens=1 finishes in prefill (no handoff): its full chunks must reach the pool all the same."""
+    launcher, base, _ = system
+    history = tokens(20, 600)
+    first = complete(base, history, "s-short", max_tokens=1)
+    assert first["usage"]["completion_tokens"] == 1
+    saved = {s["name"]: s for s in trace_of(launcher, first["id"], {"store.save"})}
+    assert saved["store.save"]["attributes"]["chunks"] == 2
+    evict_device(base, "s-short", 20)
+    turn2 = history + tokens(21, 40)
+    second = complete(base, turn2, "s-short")
+    assert second["usage"]["moorage"]["store"] == 2 * CHUNK_TOKENS
+    assert second["choices"][0]["text"] == scratch_text(tiny, turn2)
 
 
 def pool_client(system) -> tuple[PoolClient, str]:

@@ -87,6 +87,7 @@ class RequestRecord:
     computed: int = 0
     trace_in_tokens: int = 0
     trace_out_tokens: int = 0
+    ceiling_tokens: int = 0        # what the perfect cache reuses of this request (trace tokens)
 
     @property
     def ok(self) -> bool:
@@ -340,11 +341,12 @@ class _Run:
 
 # --- the perfect-cache ceiling -------------------------------------------------------------------
 
-def _sent_items(started: list, records: list[RequestRecord]) -> list[tuple[object, list[tuple[object, bool]]]]:
-    """Per started session, in trace.iter_requests order: (request, warm-up?) for the requests sent."""
+def _sent_items(started: list, records: list[RequestRecord], rec_of: dict | None = None) -> list[tuple[object, list[tuple[object, bool]]]]:
+    """Per started session, in trace.iter_requests order: (request, warm-up?) for the requests sent.
+    Each sent trace request's record is noted in `rec_of` (by id of the request)."""
     from bench.agentic.trace import iter_requests
 
-    sent = {(r.session, r.thread, r.index): r.warmup for r in records}
+    sent = {(r.session, r.thread, r.index): r for r in records}
     out = []
     for s in started:
         idx: dict[str, int] = {}
@@ -352,9 +354,11 @@ def _sent_items(started: list, records: list[RequestRecord]) -> list[tuple[objec
         for thread, req in iter_requests(s):
             i = idx.get(thread, 0)
             idx[thread] = i + 1
-            key = (str(s.id), thread, i)
-            if key in sent:
-                kept.append((req, sent[key]))
+            rec = sent.get((str(s.id), thread, i))
+            if rec is not None:
+                kept.append((req, rec.warmup))
+                if rec_of is not None:
+                    rec_of[id(req)] = rec
         out.append((s, kept))
     return out
 
@@ -374,10 +378,11 @@ def _sent_view(session, keep: set[int]):
     return dataclasses.replace(session, requests=walk(session.requests))
 
 
-def split_ceiling(per_session: list[tuple[object, list[tuple[object, bool]]]]) -> dict:
+def split_ceiling(per_session: list[tuple[object, list[tuple[object, bool]]]], per_request: dict | None = None) -> dict:
     """trace.ceiling's perfect infinite prefix cache over the sent requests (same order and namespaces),
     its reuse totalled apart for measured and warm-up requests: `measured` is the ceiling to compare the
-    measured token sources with (warm-up requests still fill the cache)."""
+    measured token sources with (warm-up requests still fill the cache). `per_request` receives each
+    request's reusable tokens (by id of the request)."""
     from bench.agentic.trace import scope_namespace
 
     events = []
@@ -405,8 +410,11 @@ def split_ceiling(per_session: list[tuple[object, list[tuple[object, bool]]]]) -
             nodes += 1
             trie[(node, h)] = nodes
             node = nodes
+        reusable = min(matched * s.block_size, req.in_tokens)
         tot[warm][0] += req.in_tokens
-        tot[warm][1] += min(matched * s.block_size, req.in_tokens)
+        tot[warm][1] += reusable
+        if per_request is not None:
+            per_request[id(req)] = reusable
 
     def c(p, r):
         return {"prompt_tokens": p, "reusable_tokens": r, "ratio": r / p if p else 0.0}
@@ -419,8 +427,12 @@ def ceilings(started: list, records: list[RequestRecord]) -> dict:
     `replayed` (trace.ceiling over every request sent), `full_sessions` (over the started sessions whole)."""
     from bench.agentic.trace import ceiling
 
-    per_session = _sent_items(started, records)
-    split = split_ceiling(per_session)
+    rec_of: dict[int, RequestRecord] = {}
+    per_request: dict[int, int] = {}
+    per_session = _sent_items(started, records, rec_of)
+    split = split_ceiling(per_session, per_request)
+    for key, rec in rec_of.items():
+        rec.ceiling_tokens = per_request.get(key, 0)
     views = [_sent_view(s, {id(req) for req, _ in items}) for s, items in per_session]
     return {"measured": split["measured"], "warmup": split["warmup"],
             "replayed": ceiling(views) if views else split["sent"],
@@ -724,6 +736,11 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
                         "prompt (a pool restore needs free device blocks next to the prompts in flight; "
                         "default %(default)s)")
     p.add_argument("--decode-blocks", type=int, default=0, help="decode KV blocks (0 = from the traces)")
+    p.add_argument("--chunk-tokens", type=int, default=64,
+                   help="pool chunk size in tokens (prefill.engine.chunk_tokens; production default 256). The "
+                        "bench corpus scales contexts ~50x down; a 256-token chunk would then leave a partial "
+                        "chunk worth ~5%% of every prompt out of the pool, so the chunk shrinks to the trace "
+                        "block size (default %(default)s)")
     p.add_argument("--stores", type=int, default=1, help="store services per group (up.stores)")
     p.add_argument("--store-bytes", type=int, default=256 << 20, help="DRAM per store service, bytes "
                                                                      "(up.store_bytes; default %(default)s)")
@@ -775,6 +792,9 @@ def system_overrides(args: argparse.Namespace, topology: str, sessions: list,
                                  min_prompts=args.device_min_prompts)
     sets, notes = topology_overrides(topology, args.groups, args.device_blocks or device, args.store_bytes,
                                      args.decode_blocks or decode, args.stores)
+    if not topology.startswith("none"):  # same bytes per batched read as 4 chunks of 256 tokens
+        sets += [f"prefill.engine.chunk_tokens={args.chunk_tokens}",
+                 f"prefill.pool.restore_batch_chunks={max(4, 1024 // args.chunk_tokens)}"]
     return sets + list(args.set), notes
 
 

@@ -13,8 +13,9 @@ from shared.transfer import TransferConfig
 @dataclass
 class PoolSettings(PoolConfig):
     enabled: bool = False                  # restore from and save to the shared KV pool (needs master + stores)
-    min_restore_tokens: int = 512          # restore only when at least this many prompt tokens would come from the pool
+    min_restore_tokens: int = 0            # restore only when at least this many prompt tokens would come from the pool (and at least one chunk)
     restore_batch_chunks: int = 4          # chunks per batched read (sizes the registered restore buffer)
+    restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
     save: bool = True                      # save each new full prompt chunk after prefill (async)
 
 

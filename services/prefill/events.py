@@ -27,8 +27,8 @@ class KVEventPublisher:
     def emit(self, event) -> None:
         self._queue.append(kv_event_dict(event))
 
-    def emit_store(self, digests: list[bytes]) -> None:
-        self._queue.append(kv_event_dict(BlockStored(list(digests), None, [], 256, medium="store")))
+    def emit_store(self, digests: list[bytes], chunk_tokens: int) -> None:
+        self._queue.append(kv_event_dict(BlockStored(list(digests), None, [], chunk_tokens, medium="store")))
 
     async def flush(self) -> None:
         while self._queue:

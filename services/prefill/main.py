@@ -77,7 +77,7 @@ class PrefillService:
             return
         try:
             p.seq = await self.loop.call(lambda: self.engine.add_request(
-                rid, prompt, params, prefill_only=True, pinned_blocks=pinned,
+                rid, prompt, params, prefill_only=True, retain_kv=True, pinned_blocks=pinned,
                 restored_range=restored.token_range if restored else (0, 0)))
         except ValueError as e:
             self.pending.pop(rid, None)
@@ -105,8 +105,10 @@ class PrefillService:
             p = self.pending.get(out.request_id)
             if p is None or p.seq is None:
                 continue
-            if p.cancelled:  # finished before the abort applied: nobody will take its KV
-                if out.finish_reason == "prefilled":
+            # A finished request's blocks are ours (retain_kv): whoever ends it releases them, after
+            # the save took its own reference. The handoff releases them when it ends.
+            if p.cancelled:  # finished before the abort applied
+                if out.finished:
                     self.engine.block_manager.release(reversed(p.seq.block_table))
                 self.pending.pop(out.request_id, None)
                 continue
@@ -121,12 +123,12 @@ class PrefillService:
                 self._start_save(p)
             if finished_here:
                 self.pending.pop(out.request_id, None)
+                self.engine.block_manager.release(reversed(p.seq.block_table))
             elif out.finish_reason == "prefilled":
                 p.handoff = self._spawn(self._handoff(p, sources))
 
     def _start_save(self, p: Pending) -> None:
-        """Runs between steps, so the blocks are still ours to reference (even if the sequence just
-        finished and released them to the cache)."""
+        """Runs between steps, while the finished sequence's retained blocks are still ours."""
         try:
             blocks = self.pool.hold_for_save(p.seq.prompt_ids, p.seq.block_table)
         except ValueError:  # a block already went back to the plain free pool: nothing to save
@@ -210,7 +212,7 @@ async def serve(ctx: ServiceContext) -> None:
         client = await asyncio.to_thread(PoolClient, cfg.pool)
 
         async def saved(digests: list[bytes]) -> None:
-            events.emit_store(digests)
+            events.emit_store(digests, engine.layout.chunk_tokens)
 
         svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved)
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))

@@ -22,13 +22,18 @@ from kernels import get_kv_kernels
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
-from shared.hashing import CHUNK_TOKENS, chunk_hashes, namespace_seed
+from shared.hashing import chunk_hashes, namespace_seed
 from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, write_header
 from shared.logging import get_logger
 from shared.tracing import get_tracer
 
 tracer = get_tracer("moorage.prefill.pool")
 log = get_logger("prefill.pool")
+_BLOCK_POLL_S = 0.01  # how often a restore waiting for free device blocks looks again
+
+
+class _NotYet(Exception):
+    pass
 
 
 @dataclass
@@ -47,7 +52,9 @@ class PoolConnector:
         self.payload = [self.layout.chunk_payload_bytes(s) for s in range(self.stages)]
         self.obj_bytes = [HEADER_BYTES + p for p in self.payload]
         self.chunk_bytes = sum(self.obj_bytes)
-        self.blocks_per_chunk = CHUNK_TOKENS // self.layout.block_size
+        self.chunk = self.layout.chunk_tokens
+        self.blocks_per_chunk = self.chunk // self.layout.block_size
+        self.min_restore = max(self.chunk, settings.min_restore_tokens)  # at least one chunk
         self.kernels = get_kv_kernels(engine.pages[0].device)
         self.restore_buf = torch.empty(settings.restore_batch_chunks * self.chunk_bytes, dtype=torch.uint8)
         self.save_buf = torch.empty(self.chunk_bytes, dtype=torch.uint8)
@@ -62,7 +69,7 @@ class PoolConnector:
         return [object_key(self.engine.namespace, s, self.stages, digest) for s in range(self.stages)]
 
     def _spec(self, digest: bytes, stage: int) -> ObjectSpec:
-        return ObjectSpec(self.engine.namespace, digest, stage, self.stages, CHUNK_TOKENS, self.payload[stage])
+        return ObjectSpec(self.engine.namespace, digest, stage, self.stages, self.chunk, self.payload[stage])
 
     async def present(self, digests: list[bytes]) -> list[bool]:
         """Per chunk: every stage's object exists. An error is "not now" (False), never data."""
@@ -74,47 +81,82 @@ class PoolConnector:
         return [all(f is True for f in found[i * S:(i + 1) * S]) for i in range(len(digests))]
 
     # ---- restore ---------------------------------------------------------------------------------
-    async def restore(self, request_id: str, prompt: list[int], trace_ctx) -> Restored | None:
-        usable = (len(prompt) - 1) // CHUNK_TOKENS  # leave a token to compute: its logits pick the next
+    async def restore(self, request_id: str, prompt: list[int], trace_ctx) -> Restored:
+        """The blocks this request starts from, each with a reference it hands to the engine: the
+        chunks restored from the pool on top of the device prefix when that is worth it, else the
+        device prefix alone. Either way they are pinned until the engine admits the request, so that
+        other requests cannot evict them meanwhile. (Nothing is pinned while waiting for the restore
+        lock: a pin held there could starve the restore that holds the lock of blocks.)"""
+        usable = (len(prompt) - 1) // self.chunk  # leave a token to compute: its logits pick the next
+        outcome = {"request_id": request_id, "prompt_tokens": len(prompt)}
         with tracer.start_as_current_span("store.lookup", context=trace_ctx) as span:
             match = await self.loop.call(lambda: self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1))
-            c0 = match.num_tokens // CHUNK_TOKENS
-            span.set_attributes({"request_id": request_id, "device_tokens": match.num_tokens,
-                                 "candidate_chunks": max(0, usable - c0)})
-            if (usable - c0) * CHUNK_TOKENS < self.settings.min_restore_tokens:
-                return None
-            digests = chunk_hashes(prompt, self.seed)[:usable]
+            c0 = match.num_tokens // self.chunk
+            outcome.update(device_tokens=match.num_tokens, candidate_chunks=max(0, usable - c0))
+            span.set_attributes(outcome)
+            if (usable - c0) * self.chunk < self.min_restore:
+                return await self._device_only("nothing_to_restore", prompt, outcome)
+            digests = chunk_hashes(prompt, self.seed, self.chunk)[:usable]
             present = await self.present(digests[c0:])
             hits = next((i for i, p in enumerate(present) if not p), len(present))
+            outcome["hit_chunks"] = hits
             span.set_attribute("hit_chunks", hits)
-            if hits * CHUNK_TOKENS < self.settings.min_restore_tokens:
-                return None
+            if hits * self.chunk < self.min_restore:
+                return await self._device_only("miss", prompt, outcome)
         with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
             async with self.restore_lock:
-                return await self._restore(prompt, digests[:c0 + hits], span)
+                restored = await self._restore(prompt, digests[:c0 + hits], span)
+        if restored is None:
+            return await self._device_only("no_free_blocks", prompt, outcome)
+        outcome["restored_chunks"] = restored.stats["chunks"]
+        return self._outcome("restored" if restored.stats["chunks"] == hits else "partial", outcome, restored)
+
+    async def _device_only(self, how: str, prompt: list[int], fields: dict) -> Restored:
+        def pin() -> list[int]:
+            held = self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1).block_ids
+            self.bm.acquire(held)
+            return held
+
+        return self._outcome(how, fields, Restored(await self.loop.call(pin), (0, 0)))
+
+    def _outcome(self, how: str, fields: dict, restored: Restored) -> Restored:
+        """Every restore decision is counted and logged: the first thing to read when reuse is low."""
+        self.counters[f"restore_{how}"] = self.counters.get(f"restore_{how}", 0) + 1
+        log.info("restore", outcome=how, **fields)
+        return restored
 
     async def _restore(self, prompt: list[int], digests: list[bytes], span) -> Restored | None:
         """Restores chunks after the device prefix, up to len(digests). The device may have changed
-        since the lookup (this request may have waited for the lock): start from what it holds now,
-        and restore as many chunks as fit in the blocks free now (some beat none)."""
+        since the lookup (this request may have waited for the lock): start from what it holds now.
+        When the free blocks cannot take every hit chunk, wait up to `restore_wait_s` for them (other
+        requests finish and hand off; computing those tokens instead would need the same blocks),
+        then restore as many chunks as fit (some beat none)."""
         bpc = self.blocks_per_chunk
+        deadline = time.monotonic() + self.settings.restore_wait_s
 
-        def reserve() -> tuple[int, list[int], list[int]] | None:
-            """Between steps: hold the device prefix we build on, and fresh blocks to restore into."""
-            held = self.bm.match_prefix(prompt, max_tokens=len(digests) * CHUNK_TOKENS).block_ids
+        def reserve(wait: bool) -> tuple[int, list[int], list[int]] | None | bool:
+            """Between steps: hold the device prefix we build on, and fresh blocks to restore into.
+            False: not all chunks fit yet, ask again later."""
+            held = self.bm.match_prefix(prompt, max_tokens=len(digests) * self.chunk).block_ids
             c_start = len(held) // bpc
-            n = min(len(digests) - c_start, self.bm.num_free_blocks // bpc)
-            if n * CHUNK_TOKENS < self.settings.min_restore_tokens:
-                return None
             prefix = held[:c_start * bpc]
-            self.bm.acquire(prefix)
+            self.bm.acquire(prefix)  # first: a cached-free prefix block must not count as free below
+            want = len(digests) - c_start
+            n = min(want, self.bm.num_free_blocks // bpc)
             try:
+                if wait and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
+                    raise _NotYet
+                if n * self.chunk < self.min_restore:
+                    raise OutOfBlocks(n * bpc)
                 return c_start, prefix, self.bm.allocate(n * bpc)
-            except OutOfBlocks:
+            except (_NotYet, OutOfBlocks) as e:
                 self.bm.release(reversed(prefix))
-                return None
+                return False if isinstance(e, _NotYet) else None
 
-        reserved = await self.loop.call(reserve)
+        t_wait = time.perf_counter()
+        while (reserved := await self.loop.call(lambda: reserve(time.monotonic() < deadline))) is False:
+            await asyncio.sleep(_BLOCK_POLL_S)
+        span.set_attribute("block_wait_ms", (time.perf_counter() - t_wait) * 1e3)
         if reserved is None:
             return None
         c0, prefix, fresh = reserved
@@ -143,7 +185,7 @@ class PoolConnector:
         span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
                              "ms": (time.perf_counter() - t0) * 1e3,
                              **{f"stage{s}_ms": ms for s, ms in enumerate(stage_ms)}})
-        return Restored(pinned, (c0 * CHUNK_TOKENS, (c0 + good) * CHUNK_TOKENS),
+        return Restored(pinned, (c0 * self.chunk, (c0 + good) * self.chunk),
                         {"chunks": good, "bytes": nbytes})
 
     async def _restore_batch(self, digests: list[bytes], blocks: list[int], stage_ms: list[float]) -> int:
@@ -179,7 +221,7 @@ class PoolConnector:
     def hold_for_save(self, prompt: list[int], block_table: list[int]) -> list[int]:
         """Called on the event loop between steps (no engine step running): our own reference on the
         prompt's full-chunk blocks, taken before anyone else may release them."""
-        blocks = block_table[:(len(prompt) // CHUNK_TOKENS) * self.blocks_per_chunk]
+        blocks = block_table[:(len(prompt) // self.chunk) * self.blocks_per_chunk]
         self.bm.acquire(blocks)
         return blocks
 
@@ -187,7 +229,7 @@ class PoolConnector:
         bpc = self.blocks_per_chunk
         try:
             with tracer.start_as_current_span("store.save", context=trace_ctx) as span:
-                digests = chunk_hashes(prompt, self.seed)[:len(blocks) // bpc]
+                digests = chunk_hashes(prompt, self.seed, self.chunk)[:len(blocks) // bpc]
                 present = await self.present(digests)
                 saved = []
                 async with self.save_lock:

@@ -41,6 +41,7 @@ class EngineConfig:
     kv_dtype: str | None = None       # defaults to dtype
     enable_prefix_cache: bool = True  # reuse full blocks of earlier prompts from device memory
     tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
+    chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
 
 
@@ -60,7 +61,8 @@ class Engine:
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         mc = loaded.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                               dtype=_DTYPES[cfg.kv_dtype or cfg.dtype], stages=cfg.stages)
+                               dtype=_DTYPES[cfg.kv_dtype or cfg.dtype], stages=cfg.stages,
+                               chunk_tokens=cfg.chunk_tokens)
         self.namespace = self.layout.fingerprint(loaded.model_id, cfg.tenant_salt)
         self.model = LlamaModel(mc, loaded.weights, self.layout, cfg.device, _DTYPES[cfg.dtype])
         self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)

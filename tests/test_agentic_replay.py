@@ -375,7 +375,6 @@ def test_cli_against_a_running_server_writes_json_and_png(fake, tmp_path):
 def test_smoke_replay_against_moorage_up(tmp_path):
     """Two tiny synthetic sessions at concurrency 2 against the real system (tiny model, a shared pool):
     every request succeeds and every prompt token is accounted for as device, pool or computed."""
-    t0 = time.monotonic()
     sessions = synthesize(SynthParams(sessions=2, scale=0.005, turns=3, turns_sigma=0.0, min_turns=3,
                                       fanout_prob=0.0))
     sets, _ = rp.topology_overrides("shared", groups=1, device_blocks=96, store_bytes=32 << 20,
@@ -395,4 +394,3 @@ def test_smoke_replay_against_moorage_up(tmp_path):
     assert sh["reused"] > 0.5  # later turns extend earlier ones
     assert 0 < stats["ceiling"]["measured"]["ratio"] <= 1
     assert stats["ttft_s"]["p50"] is not None and stats["throughput"]["tokens_per_s"] > 0
-    assert time.monotonic() - t0 < 60

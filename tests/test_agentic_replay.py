@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.agentic import replay as rp
+from bench.agentic import stats, system
 from bench.agentic import sweep as sw
 from bench.agentic.prompt import prompt_text
 from bench.agentic.synth import SynthParams, synthesize
@@ -286,10 +287,10 @@ def test_duration_stops_starting_new_turns(fake):
 
 
 def test_stats_math():
-    assert rp.percentile([1, 2, 3, 4], 50) == 2.5
-    assert rp.percentile(list(range(1, 101)), 90) == pytest.approx(90.1)
-    assert rp.percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
-    assert rp.percentile([], 50) is None
+    assert stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert stats.percentile(list(range(1, 101)), 90) == pytest.approx(90.1)
+    assert stats.percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert stats.percentile([], 50) is None
 
     def rec(i, warm=False, status=200):
         r = rp.RequestRecord(session="s", thread="main", index=i, turn=i, warmup=warm, t_start=float(i),
@@ -297,7 +298,7 @@ def test_stats_math():
                              prompt_tokens=100, completion_tokens=10, device=60, store=30, computed=10)
         return r
     records = [rec(0, warm=True), rec(1), rec(2), rec(3), rec(4, status=429)]
-    st = rp.summarize(records, wall_s=9.0, total_requests=6)
+    st = stats.summarize(records, wall_s=9.0, total_requests=6)
     assert st["requests"] == {"total_in_traces": 6, "sent": 5, "measured": 4, "measured_ok": 3, "warmup": 1,
                               "not_sent": 1}
     assert st["ttft_s"]["p50"] == pytest.approx(0.3) and st["ttft_s"]["n"] == 3
@@ -316,7 +317,7 @@ def test_measured_ceiling_splits_trace_ceiling():
 
     per = [(s, [(r, i < 2) for i, (_, r) in enumerate(iter_requests(s))]) for s in sessions]
     per_request: dict = {}
-    split = rp.split_ceiling(per, per_request)
+    split = stats.split_ceiling(per, per_request)
     assert split["sent"] == ceiling(sessions)
     assert sum(per_request.values()) == split["sent"]["reusable_tokens"] and len(per_request) == sum(
         len(items) for _, items in per)
@@ -328,17 +329,17 @@ def test_topology_overrides_are_valid_up_configs():
     from shared.config import load_config
     from shared.up import UpConfig
 
-    sets, _ = rp.topology_overrides("none", groups=2, device_blocks=100, store_bytes=1 << 20, decode_blocks=300)
+    sets, _ = system.topology_overrides("none", groups=2, device_blocks=100, store_bytes=1 << 20, decode_blocks=300)
     assert "up.pool=false" in sets and not any(s.startswith("up.pool_mode") for s in sets)
     assert "prefill.engine.num_blocks=100" in sets and "decode.engine.num_blocks=300" in sets
     for topo, mode, routing in (("split", "split", "cache-aware"), ("shared-p2c", "shared", "p2c"),
                                 ("shared-sticky", "shared", "sticky")):
-        sets, _ = rp.topology_overrides(topo, groups=2, store_bytes=1 << 20, stores=1)
+        sets, _ = system.topology_overrides(topo, groups=2, store_bytes=1 << 20, stores=1)
         c = load_config(UpConfig, overrides=sets)
         assert (c.up.pool, c.up.pool_mode, c.up.groups, c.up.stores) == (True, mode, 2, 1)
         assert c.router.router.routing == routing and c.up.model == "tiny"
     with pytest.raises(ValueError):
-        rp.topology_overrides("shared-random")
+        system.topology_overrides("shared-random")
 
 
 def test_sweep_table_ratios():
@@ -377,10 +378,10 @@ def test_smoke_replay_against_moorage_up(tmp_path):
     every request succeeds and every prompt token is accounted for as device, pool or computed."""
     sessions = synthesize(SynthParams(sessions=2, scale=0.005, turns=3, turns_sigma=0.0, min_turns=3,
                                       fanout_prob=0.0))
-    sets, _ = rp.topology_overrides("shared", groups=1, device_blocks=96, store_bytes=32 << 20,
+    sets, _ = system.topology_overrides("shared", groups=1, device_blocks=96, store_bytes=32 << 20,
                                     decode_blocks=256, stores=1)
     with nats_url() as nats:
-        with rp.running_system(sets + [f"up.nats_url={nats}"], tmp_path, ready_timeout_s=90) as url:
+        with system.running_system(sets + [f"up.nats_url={nats}"], tmp_path, ready_timeout_s=90) as url:
             stats = run(sessions, rp.ReplayConfig(base_url=url, concurrency=2, think_time_scale=0.01,
                                                   request_timeout_s=30, duration_s=30))
     assert stats["requests"]["sent"] == stats["requests"]["total_in_traces"] == 6

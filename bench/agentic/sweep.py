@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench.agentic import plots, system
 from bench.agentic import replay as rp
+from bench.agentic.stats import summary_line
 
 DEFAULT_TOPOLOGIES = "none,split,shared,shared-p2c,shared-sticky"
 
@@ -85,10 +87,10 @@ def sweep(args: argparse.Namespace, sessions: list, topologies: list[str], loads
     for topology in topologies:
         groups = [[c] for c in loads] if args.restart_per_load else [loads]
         for group in groups:
-            sets, notes = rp.system_overrides(args, topology, sessions, max(group))
+            sets, notes = system.system_overrides(args, topology, sessions, max(group))
             t0 = time.monotonic()
             try:
-                with rp.running_system(sets, run_dir / topology) as url:
+                with system.running_system(sets, run_dir / topology) as url:
                     startup = round(time.monotonic() - t0, 1)
                     log(f"== {topology}: up in {startup} s ({' '.join(sets)})")
                     for c in group:
@@ -99,7 +101,7 @@ def sweep(args: argparse.Namespace, sessions: list, topologies: list[str], loads
                                "system": {"overrides": sets, "notes": notes, "startup_s": startup},
                                "stats": _slim(stats)}
                         runs.append(run)
-                        log(f"   c={c}: {rp.summary_line(stats)}")
+                        log(f"   c={c}: {summary_line(stats)}")
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
                 log(f"== {topology}: failed: {e}")
                 runs += [{"topology": topology, "concurrency": c, "error": str(e)[:500],
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default=None,
                    help="comma-separated loads (session lanes); default 1,2,4 (--quick: 2)")
     p.add_argument("--topologies", default=None,
-                   help=f"comma-separated, each {rp.TOPOLOGY_HELP}; default {DEFAULT_TOPOLOGIES} "
+                   help=f"comma-separated, each {system.TOPOLOGY_HELP}; default {DEFAULT_TOPOLOGIES} "
                         "(--quick: none,shared)")
     p.add_argument("--duration", type=float, default=60.0,
                    help="per load: stop starting new turns after S s (0 = replay all; default %(default)s)")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/agentic.json")
     p.add_argument("--png", default=None, help="plots (default: --out with .png)")
     rp.add_replay_args(p)
-    rp.add_system_args(p)
+    system.add_system_args(p)
     p.set_defaults(groups=2)
     args = p.parse_args(argv)
     args.topologies = args.topologies or ("none,shared" if args.quick else DEFAULT_TOPOLOGIES)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
     loads = [int(c) for c in args.concurrency.split(",") if c.strip()]
     for t in topologies:
-        rp.topology_overrides(t)  # fail fast on a typo
+        system.topology_overrides(t)  # fail fast on a typo
     sessions, source = rp.load_sessions(args.traces, args.quick, args.seed)
     sessions = sessions[: args.max_sessions or None]
     if not sessions:
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     png = args.png or str(Path(args.out).with_suffix(".png"))
     ok = [r for r in runs if r.get("stats")]
     if ok:
-        rp.plot(ok, png, f"moorage bench sweep: {len(sessions)} sessions, {args.groups} groups, "
+        plots.plot(ok, png, f"moorage bench sweep: {len(sessions)} sessions, {args.groups} groups, "
                          f"{corpus['ceiling']:.0%} ceiling over the whole corpus")
     print(f"\nwrote {args.out}" + (f" and {png}" if ok else "") + f" in {result['elapsed_s']:.0f} s")
     failed = len(runs) - len(ok) + sum(r["stats"]["errors"]["total"] > 0 for r in ok)

@@ -1,13 +1,15 @@
-"""Helpers for bench/engine.py: machine info, timing, markdown tables and the PNG plot."""
+"""Helpers for the benchmarks: machine info, timing, markdown tables, plots and writing results."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -144,6 +146,20 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_result(result: dict, out: str | os.PathLike, t_start: float, plot_fn: Callable[[dict, str], None],
+                 report_fn: Callable[[dict], str]) -> None:
+    """Finish a benchmark: wall time and machine state at the end into `result`, JSON to `out`, the
+    plot beside it (.png), and the report on stdout."""
+    result["total_wall_s"] = time.perf_counter() - t_start
+    result["machine"].update(loadavg_at_end=os.getloadavg(), calibration_matmul_GFLOPs_at_end=calibrate_gflops())
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot_fn(result, str(out.with_suffix(".png")))
+    print(report_fn(result))
+    print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
 
 
 # --- helpers for bench/handoff.py ---------------------------------------------------------------

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench._util import calibrate_gflops, machine_info, plot, report, time_calls
+from bench._util import machine_info, plot, report, time_calls, write_result
 from kernels import get_kv_kernels
 from kernels.reference import rank_num_tokens
 from shared.engine.engine import Engine, EngineConfig
@@ -227,14 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
         "prefill": prefill, "decode": decode, "kv_bytes_per_token": kv_bytes(models), "kernels": kernels,
     }
-    result["total_wall_s"] = time.perf_counter() - t_start
-    result["machine"].update(loadavg_at_end=os.getloadavg(), calibration_matmul_GFLOPs_at_end=calibrate_gflops())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, str(out.with_suffix(".png")))
-    print(report(result))
-    print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
+    write_result(result, args.out, t_start, plot, report)
 
 
 if __name__ == "__main__":

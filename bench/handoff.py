@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +34,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench._util import calibrate_gflops, free_port, machine_info, md_table, percentile
+from bench._util import free_port, machine_info, md_table, percentile, write_result
 from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
@@ -326,15 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
         "handoff": handoff, "overhead": overhead,
     }
-    result["total_wall_s"] = time.perf_counter() - t_start
-    result["machine"].update(loadavg_at_end=os.getloadavg(),
-                             calibration_matmul_GFLOPs_at_end=calibrate_gflops())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, str(out.with_suffix(".png")))
-    print(report(result))
-    print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
+    write_result(result, args.out, t_start, plot, report)
 
 
 if __name__ == "__main__":

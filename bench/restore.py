@@ -26,8 +26,6 @@ Writes the JSON (ms = milliseconds, GB = 1e9 B), a PNG with the same stem, and p
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -38,7 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench._util import LoadWatcher, calibrate_gflops, free_port, machine_info, md_table, stream_completion
+from bench._util import LoadWatcher, free_port, machine_info, md_table, stream_completion, write_result
 from bench.handoff import wait_spans
 from shared.config import load_config
 from shared.engine.models import load_tokenizer, smollm2_gguf_path
@@ -351,14 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                    "response (then waits for an idle prefill, so saves never overlap the other system's round)",
                    f"usage NOT as expected for: {', '.join(bad)}" if bad else "usage.moorage as expected everywhere"],
          "ttft": ttft, "throughput": bench_throughput(p, g)}
-    r["total_wall_s"] = time.perf_counter() - t_start
-    r["machine"].update(loadavg_at_end=os.getloadavg(), calibration_matmul_GFLOPs_at_end=calibrate_gflops())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(r, indent=2) + "\n")
-    plot(r, str(out.with_suffix(".png")))
-    print(report(r))
-    print(f"\nwrote {out} and {out.with_suffix('.png')} in {r['total_wall_s']:.0f} s")
+    write_result(r, args.out, t_start, plot, report)
 
 
 if __name__ == "__main__":

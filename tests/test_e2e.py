@@ -16,14 +16,13 @@ import httpx
 import openai
 import pytest
 
-from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.messages import LoadReport
 from shared.tracing import read_spans
 from shared.up import Launcher, UpConfig
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import free_port, latest_reports, nats_url
 
 QUESTION = "List three things a code reviewer checks in a pull request, and why each matters."
 
@@ -58,21 +57,10 @@ def reference(loaded, prompt_ids, max_tokens):
     return seq
 
 
-async def load_reports(nats: str, roles=("gate", "prefill", "decode"), seconds: float = 1.3) -> dict[str, LoadReport]:
-    """The latest report of each role after at least `seconds` (longer if one is late: a loaded box)."""
-    bus = await Bus.connect(BusConfig(url=nats), "test-observer")
-    seen: dict[str, LoadReport] = {}
-
-    async def on_load(msg, raw):
-        seen[msg.role] = msg
-
-    await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
-    await asyncio.sleep(seconds)
-    deadline = time.monotonic() + 20
-    while not set(roles) <= set(seen) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await bus.close()
-    return seen
+async def load_reports(nats: str, roles=("gate", "prefill", "decode")) -> dict[str, LoadReport]:
+    """The latest report of each role (this system runs one instance per role)."""
+    seen = await latest_reports(nats, enough=lambda seen: set(roles) <= {r.role for r in seen.values()})
+    return {r.role: r for r in seen.values()}
 
 
 def test_chat_and_completions_equal_engine_output(system, tiny):

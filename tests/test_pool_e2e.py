@@ -14,7 +14,6 @@ import httpx
 import pytest
 import torch
 
-from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
@@ -24,7 +23,7 @@ from shared.messages import LoadReport
 from shared.pool import PoolClient, PoolConfig
 from shared.tracing import read_spans
 from shared.up import Launcher, UpConfig
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import free_port, latest_reports, nats_url
 
 MAX_TOKENS = 12
 
@@ -69,21 +68,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def reports(nats: str, seconds: float = 1.3, prefills: int = 1) -> dict[str, LoadReport]:
-    """Latest report per instance; waits (on a loaded box) until `prefills` prefills have reported."""
-    bus = await Bus.connect(BusConfig(url=nats), "pool-test")
-    seen: dict[str, LoadReport] = {}
-
-    async def on_load(msg, raw):
-        seen[msg.instance] = msg
-
-    await bus.subscribe(bus.subjects.load_all, LoadReport, on_load)
-    await asyncio.sleep(seconds)
-    deadline = time.monotonic() + 20
-    while sum(r.role == "prefill" for r in seen.values()) < prefills and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await bus.close()
-    return seen
+async def reports(nats: str, prefills: int = 1) -> dict[str, LoadReport]:
+    """Latest report per instance, once `prefills` prefills have reported."""
+    return await latest_reports(nats, enough=lambda seen: sum(r.role == "prefill" for r in seen.values()) >= prefills)
 
 
 def evict_device(base: str, session: str, salt: int) -> None:

@@ -4,10 +4,11 @@ the summary that `moorage bench agentic` writes (see `summarize` for what each n
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from bench._util import percentile as _percentile
 
 if TYPE_CHECKING:
     from bench.agentic.replay import ReplayConfig, RequestRecord
@@ -18,12 +19,7 @@ SOURCES = ("device", "store", "computed")
 
 def percentile(xs: Sequence[float], p: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return _percentile(list(xs), p) if xs else None
 
 
 def _pcts(xs: Sequence[float], ps=(50, 90, 99)) -> dict:

@@ -8,16 +8,10 @@ import contextlib
 import dataclasses
 import math
 import os
-import socket
 from collections.abc import Iterator, Sequence
 
+from bench._util import free_port
 from bench.agentic.trace import iter_requests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def up_supports(*names: str) -> bool:

@@ -13,15 +13,16 @@ Config keys: `up.*` below, plus every key of every service under its name, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,6 +197,18 @@ class Launcher:
         with_state = self.run_dir / STATE_FILE
         if with_state.exists():
             with_state.unlink()
+
+
+@contextlib.contextmanager
+def launched(cfg: UpConfig) -> Iterator[tuple[Launcher, str]]:
+    """(launcher, router URL) of a started system whose every instance reported ready; stopped on exit."""
+    launcher = Launcher(cfg)
+    try:
+        url = launcher.start()
+        launcher.wait_ready(url)
+        yield launcher, url
+    finally:
+        launcher.stop()
 
 
 def run_up(cfg: UpConfig) -> int:

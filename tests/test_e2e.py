@@ -21,7 +21,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.messages import LoadReport
 from shared.tracing import read_spans
-from shared.up import Launcher, UpConfig
+from shared.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 QUESTION = "List three things a code reviewer checks in a pull request, and why each matters."
@@ -38,13 +38,8 @@ def system(tmp_path_factory, tiny):
             "prefill.transfer.slot_bytes=262144",   # several writes per handoff even for short prompts
             "decode.transfer.slot_bytes=262144", "decode.transfer.slots=4",
         ])
-        launcher = Launcher(cfg)
-        try:
-            base = launcher.start()
-            launcher.wait_ready(base)
+        with launched(cfg) as (launcher, base):
             yield launcher, base, url
-        finally:
-            launcher.stop()
 
 
 def client(base: str) -> openai.OpenAI:

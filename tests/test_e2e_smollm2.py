@@ -12,7 +12,7 @@ import pytest
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.up import Launcher, UpConfig
+from shared.up import UpConfig, launched
 from tests.natsbus import free_port, nats_url
 
 pytestmark = pytest.mark.slow
@@ -24,13 +24,8 @@ def base_url(tmp_path_factory):
         cfg = load_config(UpConfig, overrides=[
             f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={tmp_path_factory.mktemp('up')}",
             "prefill.engine.num_blocks=256", "decode.engine.num_blocks=256"])
-        launcher = Launcher(cfg)
-        try:
-            base = launcher.start()
-            launcher.wait_ready(base)
+        with launched(cfg) as (_, base):
             yield base
-        finally:
-            launcher.stop()
 
 
 def test_chat_equals_moorage_generate(base_url):

@@ -22,7 +22,7 @@ from shared.kv_object import HEADER_BYTES, object_key
 from shared.messages import LoadReport
 from shared.pool import PoolClient, PoolConfig
 from shared.tracing import read_spans
-from shared.up import Launcher, UpConfig
+from shared.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 MAX_TOKENS = 12
@@ -38,13 +38,8 @@ def system(tmp_path_factory):
             "prefill.engine.stages=2", "prefill.pool.min_restore_tokens=256",
             "router.router.instance_timeout_s=2", "decode.engine.num_blocks=512",
             "master.master.client_ttl_s=2"])  # a dead store is dropped from the pool after this
-        launcher = Launcher(cfg)
-        try:
-            base = launcher.start()
-            launcher.wait_ready(base)
+        with launched(cfg) as (launcher, base):
             yield launcher, base, url
-        finally:
-            launcher.stop()
 
 
 def complete(base: str, prompt: list[int], session: str, max_tokens: int = MAX_TOKENS) -> dict:

@@ -62,17 +62,12 @@ def running_system(overrides: Sequence[str], run_dir: str | os.PathLike,
                    ready_timeout_s: float = 180.0) -> Iterator[str]:
     """Start moorage (shared.up.Launcher) with `overrides` on a free port; yield its URL; stop it."""
     from shared.config import load_config
-    from shared.up import Launcher, UpConfig
+    from shared.up import UpConfig, launched
 
     cfg = load_config(UpConfig, overrides=[f"up.port={free_port()}", f"up.run_dir={run_dir}",
                                            f"up.ready_timeout_s={ready_timeout_s}", *overrides])
-    launcher = Launcher(cfg)
-    try:
-        url = launcher.start()
-        launcher.wait_ready(url)
+    with launched(cfg) as (_, url):
         yield url
-    finally:
-        launcher.stop()
 
 
 def add_system_args(p: argparse.ArgumentParser) -> None:

@@ -107,7 +107,8 @@ class AdmitRequest(Message):
 @message("admit_reply")
 class AdmitReply(Message):
     request_id: str
-    status: str  # "admitted" | "rejected" (over budget after waiting) | "invalid" (can never fit)
+    status: str  # "admitted" | "rejected" (over budget after waiting: 429) | "unavailable" (no live decode can
+    #              take it: 503) | "invalid" (can never fit: 400)
     decode_instance: str | None = None
     reason: str = ""
     retry_after_s: float = 0.0

@@ -33,6 +33,7 @@ from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from services.store.config import StoreConfig
 from shared.config import ConfigError
+from shared.engine.kv_sizing import format_bytes, host_available_bytes, parse_memory
 from shared.natsd import NatsServer, start_nats_server
 from shared.tomlgen import to_toml
 
@@ -55,12 +56,56 @@ class UpSettings:
     stores: int = 2                   # store services per group contributing DRAM to the pool
     store_bytes: int = 1 << 30        # DRAM each store contributes (bytes)
     prefills: int = 1                 # prefill instances per group
+    kv_memory: str = "60%"            # KV of all prefill + decode instances: a share of the host memory left after stores and processes, or a size ("8GiB")
+    decode_kv_share: float = 0.5      # of that, the decode instances' part (the rest is the prefills' device prefix cache)
 
     def __post_init__(self) -> None:
         if self.pool_mode not in ("shared", "split"):
             raise ConfigError(f"up.pool_mode must be shared or split, got {self.pool_mode!r}")
         if min(self.groups, self.prefills) < 1 or self.stores < 0:
             raise ConfigError("up.groups and up.prefills must be >= 1, up.stores >= 0")
+        if not 0 < self.decode_kv_share < 1:
+            raise ConfigError(f"up.decode_kv_share must be in (0, 1), got {self.decode_kv_share}")
+        try:
+            parse_memory(self.kv_memory)
+        except ValueError as e:
+            raise ConfigError(f"up.kv_memory: {e}") from None
+
+
+# What one process takes besides its KV, set aside before the host is split (measured with SmolLM2 in
+# fp32: an engine process is ~1.2 GiB RSS before KV, the others 0.2-0.4 GiB).
+ENGINE_PROCESS_BYTES = 3 << 29  # 1.5 GiB
+OTHER_PROCESS_BYTES = 1 << 29   # 0.5 GiB
+MIN_KV_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class KVSplit:
+    """How `moorage up` shares one host's memory among the KV of its engines."""
+    available: int       # host memory available at launch
+    reserved: int        # stores' segments + every process's own memory
+    decode_bytes: int    # KV per decode instance
+    prefill_bytes: int   # KV per prefill instance
+
+    def describe(self) -> str:
+        return (f"KV per decode {format_bytes(self.decode_bytes)}, per prefill {format_bytes(self.prefill_bytes)} "
+                f"({format_bytes(self.available)} available, {format_bytes(self.reserved)} set aside for the "
+                f"pool's stores and the processes)")
+
+
+def split_kv(up: UpSettings, available: int) -> KVSplit:
+    decodes, prefills = up.groups, up.groups * up.prefills
+    stores = up.groups * up.stores * up.store_bytes if up.pool else 0
+    others = 3 + (up.groups * up.stores + (up.groups if up.pool_mode == "split" else 1) if up.pool else 0)
+    reserved = stores + (decodes + prefills) * ENGINE_PROCESS_BYTES + others * OTHER_PROCESS_BYTES
+    spec = parse_memory(up.kv_memory)
+    total = spec.resolve(max(0, available - reserved))
+    split = KVSplit(available, reserved, int(total * up.decode_kv_share) // decodes,
+                    int(total * (1 - up.decode_kv_share)) // prefills)
+    if min(split.decode_bytes, split.prefill_bytes) < MIN_KV_BYTES:
+        raise ConfigError(f"too little memory for KV: {split.describe()}; lower up.store_bytes, or set "
+                          f"up.kv_memory to a size, or prefill/decode.engine.num_blocks")
+    return split
 
 
 @dataclass
@@ -87,9 +132,19 @@ def _replace(obj, **sections):
     return dataclasses.replace(obj, **{k: dataclasses.replace(getattr(obj, k), **v) for k, v in sections.items()})
 
 
-def plan(cfg: UpConfig, nats_url: str, run_dir: Path) -> list[tuple[str, str, object]]:
-    """(instance, service module, config) in start order; stop order is the reverse."""
+def _sized_by_up(engine) -> bool:
+    return engine.num_blocks == 0 and engine.kv_memory == "auto"
+
+
+def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None) -> list[tuple[str, str, object]]:
+    """(instance, service module, config) in start order; stop order is the reverse. Engines whose KV is
+    left to "auto" get their part of `kv` (the host's split; measured now when not given)."""
     up = cfg.up
+    if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
+        kv = split_kv(up, host_available_bytes())
+
+    def engine(sc, part: int) -> dict:
+        return {"model": up.model, **({"kv_memory": str(part)} if _sized_by_up(sc.engine) else {})}
     common = {"bus": {"url": nats_url}}
     traces = str(run_dir / "traces.jsonl")
     out: list[tuple[str, str, object]] = []
@@ -114,11 +169,12 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path) -> list[tuple[str, str, ob
                     store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes})
     add(cfg.gate.instance, "gate", cfg.gate)
     for g in range(up.groups):
-        add(f"decode-{g}", "decode", cfg.decode, engine={"model": up.model})
+        add(f"decode-{g}", "decode", cfg.decode, engine=engine(cfg.decode, kv and kv.decode_bytes))
     for g in range(up.groups):
         for i in range(up.prefills):
             pool = {"enabled": True, "master_addr": pools[g % len(pools)]} if up.pool else {"enabled": False}
-            add(f"prefill-{g * up.prefills + i}", "prefill", cfg.prefill, engine={"model": up.model}, pool=pool)
+            add(f"prefill-{g * up.prefills + i}", "prefill", cfg.prefill,
+                engine=engine(cfg.prefill, kv and kv.prefill_bytes), pool=pool)
     add(cfg.router.instance, "router", cfg.router, router={"model": up.model, "host": up.host, "port": up.port})
     return out
 
@@ -135,6 +191,7 @@ class Launcher:
         self.procs: dict[str, subprocess.Popen] = {}  # instance -> process, in start order
         self.configs: dict[str, object] = {}          # instance -> the config it was started with
         self.nats: NatsServer | None = None
+        self.kv: KVSplit | None = None
         self._stopping = False
 
     def start(self) -> str:
@@ -143,7 +200,9 @@ class Launcher:
         if not nats_url:
             self.nats = start_nats_server(log_path=str(self.run_dir / "nats.log"))
             nats_url = self.nats.url
-        for instance, service, config in plan(self.cfg, nats_url, self.run_dir):
+        if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
+            self.kv = split_kv(self.cfg.up, host_available_bytes())
+        for instance, service, config in plan(self.cfg, nats_url, self.run_dir, self.kv):
             self.configs[instance] = config
             path = self.run_dir / f"{instance}.toml"
             path.write_text(to_toml(config))
@@ -160,9 +219,9 @@ class Launcher:
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
-    def wait_ready(self, url: str) -> None:
+    def wait_ready(self, url: str) -> dict:
         """Until the router's /health lists every gate, prefill and decode started here as ready: a
-        request sent earlier would be routed as if the missing instances did not exist."""
+        request sent earlier would be routed as if the missing instances did not exist. Returns /health."""
         deadline = time.monotonic() + self.cfg.up.ready_timeout_s
         expected = {name for name in self.procs if name.rsplit("-", 1)[0] in READY_ROLES}
         missing = expected
@@ -171,10 +230,11 @@ class Launcher:
                 raise RuntimeError(f"{', '.join(self.dead())} exited during start-up; see {self.run_dir}/*.log")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    ready = json.loads(r.read()).get("ready", {})
+                    health = json.loads(r.read())
+                    ready = health.get("ready", {})
                     missing = expected - {i for instances in ready.values() for i in instances}
                     if r.status == 200 and not missing:
-                        return
+                        return health
             except (OSError, ValueError):
                 pass
             time.sleep(0.3)
@@ -223,7 +283,13 @@ def run_up(cfg: UpConfig) -> int:
         url = launcher.start()
         print(f"moorage: starting {', '.join(launcher.procs)} with model {cfg.up.model} "
               f"(logs in {launcher.run_dir})", flush=True)
-        launcher.wait_ready(url)
+        if launcher.kv is not None:
+            print(f"moorage: {launcher.kv.describe()}", flush=True)
+        health = launcher.wait_ready(url)
+        tokens = health.get("kv_tokens", {})
+        if tokens:
+            print("moorage: KV tokens per instance: " + ", ".join(f"{i} {n:,}" for i, n in sorted(tokens.items())),
+                  flush=True)
         print(f"moorage is ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)", flush=True)
         while not launcher.dead():
             time.sleep(0.5)

@@ -143,6 +143,25 @@ def test_burst_beyond_budget_queues_then_rejects(system, tiny):
         assert r.json()["choices"][0]["text"] == reference(tiny, tiny.tokenizer.encode(prompt), 1000).output_text
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0.5, "top_p": 1e-300}, {"temperature": 1e-300}])
+def test_degenerate_sampling_is_served_and_the_engines_stay_up(system, tiny, sampling):
+    """Issue 10: these once raised in the sampler, killed prefill's engine loop and left /health 200."""
+    _, base, nats = system
+    prompt = tiny.tokenizer.encode("x")
+    r = httpx.post(base + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 4, "ignore_eos": True, **sampling})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference(tiny, prompt, 4).output_text  # both mean: the argmax
+    after = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert after.status_code == 200
+    expected = reference(tiny, tiny.tokenizer.encode("def add(a, b):"), 8).output_text
+    assert after.json()["choices"][0]["text"] == expected
+    reports = asyncio.run(load_reports(nats))
+    assert reports["prefill"].ready and reports["decode"].ready
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
 def test_client_disconnect_releases_budget_and_kv(system):
     _, base, nats = system
     before = asyncio.run(load_reports(nats))

@@ -71,8 +71,8 @@ def test_chunked_prefill_equals_one_shot(model, chunk):
     prompt = model.tokenizer.chat_token_ids([{"role": "user", "content": QUESTION_1}])
     outs = {}
     for name, mbt in (("one_shot", 4096), ("chunked", chunk)):
-        engine = Engine(model, EngineConfig(num_blocks=256, max_batched_tokens=mbt, record_prompt_logits=True,
-                                            enable_prefix_cache=False))
+        engine = Engine(model, EngineConfig(num_blocks=256, max_batched_tokens=mbt, long_prefill_tokens=0,
+                                            record_prompt_logits=True, enable_prefix_cache=False))
         [seq] = engine.generate([prompt], GREEDY)
         outs[name] = (seq, engine.stats.prefill_steps)
     (one, one_steps), (chunked, chunked_steps) = outs["one_shot"], outs["chunked"]

@@ -128,7 +128,7 @@ def test_no_decode_known_waits_then_rejects_no_instance():
     g = gate(admission_wait_s=1.0)
     assert isinstance(g.admit("a", 10, 10, now=0), Wait)
     assert g.expire(now=0.5).rejected == []
-    assert g.expire(now=1.0).rejected == [Rejected("a", NO_INSTANCE, 1.0, 1.0)]
+    assert g.expire(now=1.0).rejected == [Rejected("a", NO_INSTANCE, 1.0, 1.0, unavailable=True)]
 
 
 def test_decode_appearing_admits_waiting_requests():
@@ -160,8 +160,21 @@ def test_stale_and_not_ready_instances_are_not_chosen():
     g.report("d1", 1000, 1000, True, now=2)
     assert g.admit("c", 100, 0, now=2).instance == "d1"
     assert g.admit("d", 100, 0, now=6.5).instance == "d1"  # d0 last seen at 0: older than 5 s
-    assert isinstance(g.admit("e", 10, 0, now=8), Wait)     # both stale now (d1 last seen at 2)
-    assert g.expire(now=200).rejected[0].reason == NO_INSTANCE
+    e = g.admit("e", 10, 0, now=8)                         # both stale now (d1 last seen at 2): no waiting
+    assert isinstance(e, Rejected) and e.unavailable and e.reason == NO_INSTANCE and e.waited_s == 0
+
+
+def test_known_decodes_all_gone_or_too_small_rejects_at_once():
+    g = gate(budget_fraction=1.0, instance_timeout_s=5.0, admission_wait_s=30)
+    g.report("big", 10_000, 10_000, True, now=0)
+    g.report("small", 1_000, 1_000, True, now=0)
+    g.report("big", 10_000, 10_000, False, now=1)          # the big one says goodbye
+    r = g.admit("a", 4_000, 100, now=1)
+    assert isinstance(r, Rejected) and r.unavailable and "largest live decode KV budget is 1000" in r.reason
+    assert isinstance(g.admit("b", 20_000, 0, now=1), Invalid)  # beyond every budget known: never fits
+    assert isinstance(g.admit("c", 500, 0, now=1), Admitted)
+    assert not g.queue
+    g.check_integrity()
 
 
 def test_release_is_idempotent():

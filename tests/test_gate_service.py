@@ -168,7 +168,7 @@ async def test_release_lets_a_waiting_request_in(start_gate, connect):
 async def test_no_decode_means_503_style_rejection(start_gate, connect):
     c = await connect(start_gate())
     r = await c.admit("a", 10, 10)
-    assert r.status == "rejected" and r.reason == "no decode instance available" and r.retry_after_s > 0
+    assert r.status == "unavailable" and r.reason == "no decode instance available" and r.retry_after_s > 0
 
 
 async def test_malformed_messages_get_invalid_and_the_gate_survives(start_gate, connect):
@@ -206,7 +206,7 @@ async def test_sigterm_answers_waiters_exports_the_span_and_exits_0(start_gate, 
     t0 = time.monotonic()
     gate.proc.send_signal(signal.SIGTERM)
     r = await asyncio.wait_for(waiting, 5)
-    assert r.status == "rejected" and "shutting down" in r.reason
+    assert r.status == "unavailable" and "shutting down" in r.reason
     assert await asyncio.to_thread(gate.proc.wait, 5) == 0
     assert time.monotonic() - t0 < 5
     goodbye = await c.gate_state(lambda d: True, timeout=1)
@@ -218,4 +218,4 @@ async def test_sigterm_answers_waiters_exports_the_span_and_exits_0(start_gate, 
     assert (a["trace_id"], a["parent_span_id"]) == parent_ids
     assert a["attributes"]["decision"] == "admitted" and a["attributes"]["decode_instance"] == "d0"
     assert a["attributes"]["prompt_tokens"] == 800 and a["attributes"]["max_tokens"] == 0
-    assert by_id["b"]["attributes"]["decision"] == "rejected" and by_id["b"]["attributes"]["wait_ms"] > 0
+    assert by_id["b"]["attributes"]["decision"] == "unavailable" and by_id["b"]["attributes"]["wait_ms"] > 0

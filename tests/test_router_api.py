@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from shared.bus import Bus, BusConfig
+from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import ByteTokenizer
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, TokenChunk
 from shared.natsd import start_nats_server
@@ -137,7 +138,7 @@ class FakeCluster:
         if mode == "reject":
             return AdmitReply(rid, "rejected", reason="over budget after 30 s", retry_after_s=2.5, waited_ms=30)
         if mode == "nodecode":
-            return AdmitReply(rid, "rejected", reason="no decode instance available", retry_after_s=0.2)
+            return AdmitReply(rid, "unavailable", reason="no decode instance available", retry_after_s=0.2)
         if mode == "invalid":
             return AdmitReply(rid, "invalid", reason="prompt + max_tokens exceed the context length of decode-0")
         return AdmitReply(rid, "admitted", decode_instance="decode-0", waited_ms=1.5)
@@ -493,6 +494,35 @@ def test_bad_requests_are_rejected_without_bus_traffic(http, fake, path, body, s
         assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
     time.sleep(0.05)
     assert (len(fake.admits), len(fake.submits), len(fake.releases), len(fake.cancels)) == before
+
+
+# ---- degenerate sampling values (issue 10): a 400 naming the field, or served greedily ----------------
+PROBE = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+
+
+def test_tiny_temperature_is_served_greedily(http, fake):
+    """(temperature 0.5, top_p 1e-300 is served too: test_e2e runs it through the real sampler.)"""
+    resp = http.post(COMPL, json={**PROBE, "temperature": 1e-300})
+    assert resp.status_code == 200, resp.text
+    _, submit, _ = fake.submit_of(resp.headers["x-request-id"])
+    assert SamplingParams.from_dict(submit.sampling).greedy  # as prefill and decode read it
+
+
+@pytest.mark.parametrize("field,literal", [("temperature", b"NaN"), ("temperature", b"Infinity"),
+                                           ("top_p", b"NaN"), ("top_p", b"-Infinity")])
+def test_non_finite_sampling_values_are_a_400_naming_the_field(http, fake, field, literal):
+    before = len(fake.admits)
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 4, "%s": %s}' % (field.encode(), literal)
+    err = assert_openai_error(http.post(COMPL, content=body, headers={"Content-Type": "application/json"}), 400)
+    assert err["param"] == field and "finite" in err["message"]
+    assert len(fake.admits) == before
+    assert http.post(COMPL, json=PROBE).status_code == 200  # and the next request is served
+
+
+def test_overlong_stop_sequence_is_a_400(http, fake):
+    err = assert_openai_error(http.post(COMPL, json={**PROBE, "stop": ["ok", "x" * 1025]}), 400)
+    assert err["param"] == "stop" and "1024 characters" in err["message"]
+    assert http.post(COMPL, json={**PROBE, "stop": ["x" * 1024]}).status_code == 200
 
 
 def test_context_length_message(client, fake):

@@ -123,3 +123,51 @@ def test_sample_mixed_greedy_and_sampled_rows():
     assert got[1] == sample_one(logits[1], params[1], params[1].make_generator())
     # deterministic given seeds
     assert sample(logits, params, [p.make_generator() for p in params]) == got
+
+
+# ---- degenerate values (issue 10): never a NaN distribution, never an engine-killing request --------
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6, 9.99e-6])
+def test_temperature_below_eps_is_greedy(temperature):
+    p = SamplingParams(temperature=temperature, top_p=0.5, seed=1)
+    assert p.greedy and p.temperature == 0.0 and p.make_generator() is None
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    assert sample_one(logits, p, None) == int(torch.argmax(logits))
+    assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": float("inf")},
+    {"temperature": float("-inf")},
+    {"top_p": float("nan")},
+    {"top_p": float("inf")},
+    {"temperature": "0.5"},
+    {"top_p": None},
+    {"stop": ("x",) * 17},
+    {"stop": ("x" * 1025,)},
+])
+def test_non_finite_and_unbounded_params_raise(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError):
+        SamplingParams.from_dict({"max_tokens": 4, **kwargs})
+
+
+def test_bounds_are_inclusive():
+    p = SamplingParams(temperature=1e-5, top_p=1e-300, stop=("y" * 1024,) * 16)
+    assert not p.greedy and p.temperature == 1e-5
+    assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45])
+@pytest.mark.parametrize("temperature", [0.5, 1e-5, 100.0])
+def test_tiny_top_p_samples_the_argmax_never_nan(top_p, temperature):
+    """top_p rounds to 0 in float32: the nucleus must still hold the most probable token."""
+    g = torch.Generator().manual_seed(4)
+    p = SamplingParams(temperature=temperature, top_p=top_p, seed=9)
+    for _ in range(5):
+        logits = torch.randn(64, generator=g) * 10
+        assert set(draws(logits, p, 10)) == {int(torch.argmax(logits))}
+    batch = torch.randn(3, 64, generator=g)
+    params = [p, SamplingParams(temperature=1.0, seed=2), SamplingParams()]
+    got = sample(batch, params, [q.make_generator() for q in params])
+    assert got[0] == int(torch.argmax(batch[0])) and got[2] == int(torch.argmax(batch[2]))

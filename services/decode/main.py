@@ -36,7 +36,7 @@ class Active:
 class DecodeService:
     def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
-        self.loop = EngineLoop(engine, self.on_outputs)
+        self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
         self.active: dict[str, Active] = {}
         self.log = ctx.log
@@ -95,6 +95,19 @@ class DecodeService:
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
                 out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason, usage))
 
+    async def on_failed(self, request_ids: list[str], message: str) -> None:
+        """The engine ended these requests on an error and already released their KV."""
+        for rid in request_ids:
+            a = self.active.pop(rid, None)
+            if a is None:
+                continue
+            self.log.warning("request failed in the engine", request_id=rid, error=message)
+            a.span.set_attribute("error", message)
+            a.span.end()
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
+                    rid, [], "", True, "error", None, error_info(500, message)))
+
     async def expire_landings(self) -> None:
         timeout = self.ctx.config.transfer.timeout_s
         while not self.ctx.stop.is_set():
@@ -109,10 +122,12 @@ class DecodeService:
     def load_report(self) -> LoadReport:
         e = self.engine
         free = e.block_manager.num_free_blocks * e.layout.block_size
-        return LoadReport(self.ctx.instance, "decode", True, e.kv_capacity_tokens, free,
+        unhealthy = self.loop.unhealthy_reason
+        return LoadReport(self.ctx.instance, "decode", unhealthy is None, e.kv_capacity_tokens, free,
                           len(e.scheduler.running), len(e.scheduler.waiting), 0, self.zone.endpoint,
                           {"landing": len(self.zone.landings), "free_slots": self.zone.slots.num_free,
-                           "preemptions": e.stats.preemptions})
+                           "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
+                           "unhealthy": unhealthy})
 
     async def stop(self) -> None:
         await self.loop.stop()

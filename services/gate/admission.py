@@ -11,7 +11,9 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   we believe decode.
 - `admit` answers at once with `Admitted(instance)` (reserved on the live instance with the least
   committed fraction that still fits), `Invalid(reason)` (can never fit: over a configured limit or
-  over the largest budget we know), or `Wait` (queued).
+  over the largest budget we know), `Rejected(unavailable=True)` (decode instances are known but none
+  live can ever hold it now: waiting would only delay a certain failure), or `Wait` (queued). With no
+  decode known at all (the gate just started), a request waits for one to report.
 - The queue is strict FIFO: `drain` admits from the head while the head fits, and a new request
   queues behind any waiting one, so a big request at the head is never overtaken for ever.
 - `expire` rejects requests that waited `admission_wait_s` (the client retries after
@@ -59,6 +61,7 @@ class Rejected:
     reason: str
     waited_s: float
     retry_after_s: float
+    unavailable: bool = False  # no live decode can take it (HTTP 503), rather than a full budget (429)
 
 
 @dataclass
@@ -157,8 +160,20 @@ class Admission:
                     f"{s.budget_fraction})")
         return None
 
+    def _unavailable_reason(self, tokens: int, now: float) -> str | None:
+        """Why no live instance can ever take `tokens` now (None if one can, or none is known yet)."""
+        if not self.instances:
+            return None
+        live = [i.budget for i in self.instances.values() if self.live(i, now)]
+        if not live:
+            return NO_INSTANCE
+        if max(live) < tokens:
+            return (f"{NO_INSTANCE} with room for {tokens} tokens: the largest live decode KV budget is "
+                    f"{max(live)} tokens")
+        return None
+
     def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
-              instance: str | None = None) -> Admitted | Invalid | Wait:
+              instance: str | None = None) -> Admitted | Invalid | Rejected | Wait:
         """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
         reserved or waiting returns its current state and reserves nothing more."""
         if request_id in self.reservations:
@@ -171,6 +186,10 @@ class Admission:
             self.counters["invalid"] += 1
             return Invalid(request_id, reason)
         w = Waiting(request_id, prompt_tokens, max_tokens, instance, now)
+        unavailable = self._unavailable_reason(w.tokens, now)
+        if unavailable is not None:
+            self.counters["rejected"] += 1
+            return Rejected(request_id, unavailable, 0.0, self.settings.retry_after_s, unavailable=True)
         if not self.queue:  # strict FIFO: nobody overtakes a waiting request
             inst = self._choose(w, now)
             if inst is not None:
@@ -207,7 +226,8 @@ class Admission:
             big_enough = any(self.live(i, now) and i.budget >= w.tokens for i in self.instances.values())
             reason = (f"no KV budget for {w.tokens} tokens on decode within {s.admission_wait_s:g} s"
                       if big_enough else NO_INSTANCE)
-            out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at, s.retry_after_s))
+            out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at, s.retry_after_s,
+                                         unavailable=not big_enough))
         for r in [r for r in self.reservations.values() if now - r.admitted_at >= s.reservation_ttl_s]:
             self._drop(r, "expired")
             self.counters["expired"] += 1

@@ -66,7 +66,8 @@ class Gate:
             self.stopping = True  # admits still delivered while the bus drains are refused at once
             loop_task.cancel()
             for rid in list(self.pending):
-                await self.answer(Rejected(rid, "gate shutting down", 0.0, self.admission.settings.retry_after_s))
+                await self.answer(Rejected(rid, "gate shutting down", 0.0, self.admission.settings.retry_after_s,
+                                           unavailable=True))
 
         self.ctx.on_stop.append(stop)
 
@@ -85,7 +86,8 @@ class Gate:
         except Exception as e:  # a bug must cost one request, not the service
             self.log.exception("admit failed", request_id=msg.request_id)
             span.record_exception(e)
-            outcome = Rejected(msg.request_id, f"gate internal error: {e}", 0.0, self.admission.settings.retry_after_s)
+            outcome = Rejected(msg.request_id, f"gate internal error: {e}", 0.0, self.admission.settings.retry_after_s,
+                               unavailable=True)
         if isinstance(outcome, Wait):
             self.pending.setdefault(msg.request_id, []).append(p)
             with trace.use_span(span):
@@ -125,8 +127,8 @@ class Gate:
         elif isinstance(outcome, Invalid):
             reply = AdmitReply(rid, "invalid", reason=outcome.reason, waited_ms=waited_ms)
         else:
-            reply = AdmitReply(rid, "rejected", reason=outcome.reason, retry_after_s=outcome.retry_after_s,
-                               waited_ms=waited_ms)
+            reply = AdmitReply(rid, "unavailable" if outcome.unavailable else "rejected", reason=outcome.reason,
+                               retry_after_s=outcome.retry_after_s, waited_ms=waited_ms)
         p.span.set_attributes({"decision": reply.status, "decode_instance": reply.decode_instance or "",
                                "wait_ms": waited_ms})
         with trace.use_span(p.span, end_on_exit=True):

@@ -14,7 +14,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.prefill.events import KVEventPublisher
 from services.prefill.handoff import HandoffSender
 from shared.engine.engine import Engine, StepOutput
-from shared.engine.loop import EngineLoop
+from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
@@ -38,7 +38,7 @@ class Pending:
 class PrefillService:
     def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender):
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
-        self.loop = EngineLoop(engine, self.on_outputs)
+        self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
         self.pool = None  # PoolConnector when the shared pool is enabled
         self.tasks: set[asyncio.Task] = set()
@@ -87,6 +87,10 @@ class PrefillService:
             self.pending.pop(rid, None)
             await self._fail(rid, 400, str(e))
             return
+        except EngineLoopDead as e:
+            self.pending.pop(rid, None)
+            await self._fail(rid, 503, f"prefill engine unavailable: {e}")
+            return
         if p.cancelled and rid in self.pending:  # cancelled while it was being added
             await self.loop.call(lambda: self.engine.abort(rid))
             self.pending.pop(rid, None)
@@ -134,6 +138,14 @@ class PrefillService:
             elif out.finish_reason == "prefilled":
                 p.handoff = self._spawn(self._handoff(p, sources))
 
+    async def on_failed(self, request_ids: list[str], message: str) -> None:
+        """The engine ended these requests on an error and already released their KV (retained
+        blocks included): forget them and tell their clients."""
+        for rid in request_ids:
+            if self.pending.pop(rid, None) is not None:
+                self.log.warning("request failed in the engine", request_id=rid, error=message)
+                await self._fail(rid, 500, message)
+
     def _start_save(self, p: Pending) -> None:
         """Runs between steps, while the finished sequence's retained blocks are still ours."""
         try:
@@ -179,7 +191,8 @@ class PrefillService:
                 await self._fail(rid, 503, f"KV handoff to decode failed: {e}")
             finally:
                 self.pending.pop(rid, None)
-                await self.loop.call(lambda: self.engine.block_manager.release(reversed(table)))
+                with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
+                    await self.loop.call(lambda: self.engine.block_manager.release(reversed(table)))
 
     async def _fail(self, rid: str, status: int, message: str) -> None:
         with contextlib.suppress(Exception):
@@ -190,12 +203,14 @@ class PrefillService:
     def load_report(self) -> LoadReport:
         e = self.engine
         queued = sum(s.num_uncomputed for s in list(e.scheduler.waiting) + e.scheduler.running)
-        return LoadReport(self.ctx.instance, "prefill", True, e.kv_capacity_tokens,
+        unhealthy = self.loop.unhealthy_reason
+        return LoadReport(self.ctx.instance, "prefill", unhealthy is None, e.kv_capacity_tokens,
                           e.block_manager.num_free_blocks * e.layout.block_size, len(e.scheduler.running),
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
                           {"handoffs": sum(p.handoff is not None for p in self.pending.values()),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
-                           "pool": dict(self.pool.counters) if self.pool else None})
+                           "pool": dict(self.pool.counters) if self.pool else None,
+                           "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})
 
     async def stop(self) -> None:
         for task in list(self.tasks):

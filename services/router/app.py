@@ -82,7 +82,8 @@ def create_app(state: RouterState) -> FastAPI:
             return JSONResponse({"status": "unavailable", "missing": missing, "ready": ready,
                                  "message": f"no ready {', '.join(missing)} instance reported in the last "
                                             f"{state.settings.instance_timeout_s:g} s"}, status_code=503)
-        return JSONResponse({"status": "ok", "ready": ready})
+        kv_tokens = {v.instance: v.capacity_tokens for role in ("prefill", "decode") for v in state.loads.fresh(role, now)}
+        return JSONResponse({"status": "ok", "ready": ready, "kv_tokens": kv_tokens})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -25,7 +25,6 @@ from shared.bus import Bus
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, MessageError, PrefillSubmit, Release, TokenChunk
 
-NO_DECODE = "no decode instance"  # the gate's reason when no decode instance can take anything: 503
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
 
 
@@ -127,7 +126,7 @@ class Dispatch:
             metrics.admission_rejections.labels("invalid").inc()
             return OpenAIError(400, reply.reason or "the request can never be admitted")
         retry = {"Retry-After": str(max(1, math.ceil(reply.retry_after_s or 1)))}
-        if reply.status == "rejected" and NO_DECODE in reply.reason:
+        if reply.status == "unavailable":
             metrics.admission_rejections.labels("no_decode").inc()
             return OpenAIError(503, reply.reason, code="service_unavailable", headers=retry)
         if reply.status == "rejected":

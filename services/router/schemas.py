@@ -11,8 +11,10 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.engine.sampling import MAX_STOP_CHARS
+from shared.engine.sampling import MAX_STOP_SEQUENCES as MAX_STOP
+
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-MAX_STOP = 16
 
 
 class OpenAIError(Exception):
@@ -95,8 +97,8 @@ class _GenerationRequest(_Lenient):
     """Fields shared by chat and text completions."""
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None  # < 1e-5: greedy
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -120,6 +122,8 @@ class _GenerationRequest(_Lenient):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence must be at most {MAX_STOP_CHARS} characters")
         return v
 
     def stop_list(self) -> list[str]:

@@ -10,32 +10,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.kv_sizing import size_kv
 from shared.engine.model import LlamaModel
 from shared.engine.models import LoadedModel
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams, sample
-from shared.engine.scheduler import EngineStats, Scheduler
+from shared.engine.scheduler import EngineStats, ScheduledBatch, SchedulePolicy, Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.stopping import check_stop
 from shared.hashing import namespace_seed
 from shared.kv_events import KVEvent
 from shared.kv_layout import KVLayout, allocate_pages
+from shared.logging import get_logger
 
+log = get_logger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"       # what services load (`Engine` itself takes a loaded model)
-    num_blocks: int = 1024            # KV capacity = num_blocks * block_size tokens
+    num_blocks: int = 0               # KV capacity = num_blocks * block_size tokens; 0 = sized by kv_memory
+    kv_memory: str = "auto"           # when num_blocks is 0: "40%" of the memory free after the model loads, a size ("6GiB"), or auto (40%; `moorage up` splits the host)
     stages: int = 1                   # pipeline stages the KV pool is split into
     max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
     max_num_seqs: int = 32            # sequences running at once (continuous batching width)
+    schedule: str = "srpf"            # prefill order: srpf (shortest remaining prefill first, aged) or fcfs
+    long_prefill_tokens: int = 256    # srpf: most tokens one prompt computes per step, so steps stay short (0 = max_batched_tokens)
+    schedule_aging_s: float = 30.0    # srpf: a prompt's remaining tokens count half after waiting this long (no starvation)
     device: str = "cpu"               # torch device
     dtype: str = "float32"            # compute dtype
     kv_dtype: str | None = None       # defaults to dtype
@@ -54,6 +61,15 @@ class StepOutput:
     finish_reason: str | None
 
 
+class StepFailed(Exception):
+    """A step raised while computing or sampling its batch. Its requests are aborted (their blocks
+    released, retained ones included) and named here; the engine itself goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  on_kv_event: Callable[[KVEvent], None] | None = None):
@@ -65,11 +81,17 @@ class Engine:
                                chunk_tokens=cfg.chunk_tokens)
         self.namespace = self.layout.fingerprint(loaded.model_id, cfg.tenant_salt)
         self.model = LlamaModel(mc, loaded.weights, self.layout, cfg.device, _DTYPES[cfg.dtype])
+        # sized after the model is in memory, so a share of what is free counts what it took
+        self.kv_sizing = size_kv(cfg.num_blocks, cfg.kv_memory, self.layout.block_size * self.layout.bytes_per_token,
+                                 cfg.device)
+        self.config = cfg = replace(cfg, num_blocks=self.kv_sizing.num_blocks)
+        log.info("kv cache", blocks=cfg.num_blocks, tokens=self.kv_sizing.tokens(self.layout.block_size),
+                 gib=round(self.kv_sizing.bytes / (1 << 30), 3), sized_by=self.kv_sizing.how)
         self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)
         self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size,
                                           namespace_seed(self.namespace), on_kv_event)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batched_tokens, cfg.max_num_seqs,
-                                   cfg.enable_prefix_cache)
+                                   cfg.enable_prefix_cache, SchedulePolicy.from_config(cfg))
         self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
@@ -149,10 +171,32 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        """One scheduled batch. Raises StepFailed (its requests aborted) if computing it fails."""
         batch = self.scheduler.schedule()
         self.stalled = batch is None and self.scheduler.has_work()  # waiting for blocks held elsewhere
         if batch is None:
             return []
+        try:
+            return self._run_batch(batch)
+        except Exception as e:
+            raise StepFailed(self._abort_batch(batch), e) from e
+
+    def _abort_batch(self, batch: ScheduledBatch) -> list[str]:
+        """Ends every sequence of a failed batch and releases its blocks. A sequence the batch already
+        finished kept its blocks for the caller (retain_kv, "prefilled"), but the caller never saw that
+        output: its blocks are released here too. Returns the request ids."""
+        failed = []
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            elif seq.block_table:
+                self.block_manager.release(reversed(seq.block_table))
+                seq.block_table = []
+            self.sequences.pop(seq.request_id, None)
+            failed.append(seq.request_id)
+        return failed
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[StepOutput]:
         samplers, logits = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n

@@ -3,36 +3,72 @@
 Invariant: engine state (requests, block manager) is only mutated on the event loop *between* steps,
 through `call`; the worker thread only runs `engine.step()`. Bulk reads and writes of pages owned by a
 handoff (gather, scatter) may run in other threads: those blocks belong to no running sequence.
+
+Failures: a step that raises StepFailed fails only its requests (`on_failed`) and the loop goes on;
+any other error marks the loop dead (`dead_reason`). A step running longer than `stall_after_s` makes
+the loop unhealthy while it lasts. Services report `unhealthy_reason` as not ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine, StepFailed, StepOutput
 from shared.logging import get_logger
 
 log = get_logger("engine.loop")
 
+OnFailed = Callable[[list[str], str], Awaitable[None]]  # (request ids, message for the client)
+
+
+class EngineLoopDead(RuntimeError):
+    """The loop stopped for good: nothing more runs on this engine."""
+
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, on_failed: OnFailed | None = None, stall_after_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.on_outputs = on_outputs
+        self.on_failed = on_failed
         self.idle_wait_s = idle_wait_s
+        self.stall_after_s = stall_after_s
+        self.clock = clock
+        self.dead_reason: str | None = None
+        self.failed_steps = 0
+        self._step_started: float | None = None  # clock() when the running step began
         self._pending: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
         self.steps = 0
 
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why this loop cannot serve now (dead, or one step running too long), else None."""
+        if self.dead_reason is not None:
+            return f"engine loop dead: {self.dead_reason}"
+        started = self._step_started
+        elapsed = 0.0 if started is None else self.clock() - started
+        if elapsed > self.stall_after_s:
+            return f"engine step running for {elapsed:.0f} s (stall_after_s={self.stall_after_s:g})"
+        return None
+
+    @property
+    def healthy(self) -> bool:
+        return self.unhealthy_reason is None
+
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn() on the event loop between two steps; returns its result or raises its error."""
+        """Run fn() on the event loop between two steps; returns its result or raises its error
+        (EngineLoopDead once the loop has died)."""
+        if self.dead_reason is not None:
+            raise EngineLoopDead(self.dead_reason)
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((fn, fut))
         self._wake.set()
@@ -66,16 +102,46 @@ class EngineLoop:
         self._executor.shutdown(wait=True)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        try:
+            await self._serve()
+        except Exception as e:
+            self.dead_reason = f"{type(e).__name__}: {e}"
+            log.exception("engine loop died", error=self.dead_reason)
+            await self._after_death()
+
+    async def _after_death(self) -> None:
+        """Fail queued calls and the engine's requests: nothing will ever answer them."""
+        pending, self._pending = self._pending, []
+        for _, fut in pending:
+            if not fut.done():
+                fut.set_exception(EngineLoopDead(self.dead_reason))
+        with contextlib.suppress(Exception):
+            await self._report_failed(list(self.engine.sequences), f"engine failed: {self.dead_reason}")
+
+    async def _report_failed(self, request_ids: list[str], message: str) -> None:
+        if self.on_failed is not None and request_ids:
+            await self.on_failed(request_ids, message)
+
+    async def _step(self) -> list[StepOutput]:
+        self._step_started = self.clock()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
+        finally:
+            self._step_started = None
+
+    async def _serve(self) -> None:
         while True:
             self._wake.clear()
             self._apply_pending()
             if self.engine.has_unfinished() and not self._pending:
                 try:
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                except Exception:
-                    log.exception("engine step failed")
-                    raise
+                    outputs = await self._step()
+                except StepFailed as e:
+                    self.failed_steps += 1
+                    log.error("engine step failed: its requests fail", request_ids=e.request_ids, error=str(e),
+                              exc_info=e.cause)
+                    await self._report_failed(e.request_ids, f"engine step failed: {e}")
+                    continue
                 self.steps += 1
                 if outputs:
                     await self.on_outputs(outputs)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where sampling runs: the router validates params without it
     import torch
+
+# Below this a temperature is treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
+# overflow, and the distribution is one token anyway.
+GREEDY_EPS = 1e-5
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -24,12 +31,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _require_finite("temperature", self.temperature)
+        _require_finite("top_p", self.top_p)
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.temperature < GREEDY_EPS:
+            object.__setattr__(self, "temperature", 0.0)  # frozen: normalised once, here
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +86,11 @@ class SamplingParams:
         return cls(**d)
 
 
+def _require_finite(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [V] float32 -> token id."""
     import torch
@@ -80,8 +100,10 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest head whose mass reaches top_p (the first token always stays)
+        # keep the smallest head whose mass reaches top_p; the most probable token always stays, even
+        # when top_p rounds to 0 in float32
         keep = (torch.cumsum(sorted_probs, 0) - sorted_probs) < params.top_p
+        keep[0] = True
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         idx = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[idx])

@@ -1,17 +1,26 @@
 """Chooses what the next engine step computes: a chunked-prefill batch, else one decode token each.
 
 Prefill comes first and is bounded by `max_batched_tokens` per step, so a long prompt is computed in
-several steps (chunked prefill). A waiting sequence is admitted by matching its longest cached prefix
-in the device prefix index (those blocks get one more owner and are not recomputed), then allocating
-blocks only for the tokens this step computes. When decode runs out of blocks, the newest running
-sequence is preempted: its blocks are released (still cached) and it is recomputed later, mostly from
-the prefix cache. Nothing here touches tensors.
+several steps (chunked prefill). Which prompts share a step is the policy's choice:
+- fcfs: prompts already being chunked continue first, then waiting ones in arrival order; one cold
+  prompt may take a whole step, and every request behind it waits for its whole prompt.
+- srpf (shortest remaining prefill first): every prompt with tokens left competes by the tokens it
+  still has to compute, discounted by how long it has waited (`aging_s`: a prompt that waited that long
+  counts half), and none computes more than `long_prefill_tokens` per step. So a returning turn whose
+  history is cached waits at most one short step behind another session's cold prompt, and the cold
+  prompt still progresses with the budget left over.
+A waiting sequence is admitted by matching its longest cached prefix in the device prefix index (those
+blocks get one more owner and are not recomputed), then allocating blocks only for the tokens this
+step computes. When decode runs out of blocks, the newest running sequence is preempted: its blocks are
+released (still cached) and it is recomputed later, mostly from the prefix cache. Nothing here touches
+tensors.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager, OutOfBlocks
@@ -36,17 +45,38 @@ class ScheduledBatch:
     num_tokens: list[int]  # new tokens computed per sequence this step
 
 
+@dataclass(frozen=True)
+class SchedulePolicy:
+    kind: str = "fcfs"              # fcfs | srpf
+    long_prefill_tokens: int = 0    # srpf: per-prompt tokens per step (0 = no cap beyond the budget)
+    aging_s: float = 30.0           # srpf: waiting this long halves a prompt's remaining-token count
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fcfs", "srpf"):
+            raise ValueError(f"engine.schedule must be fcfs or srpf, got {self.kind!r}")
+        if self.long_prefill_tokens < 0 or self.aging_s <= 0:
+            raise ValueError("engine.long_prefill_tokens must be >= 0 and engine.schedule_aging_s > 0")
+
+    @classmethod
+    def from_config(cls, cfg) -> "SchedulePolicy":
+        return cls(cfg.schedule, cfg.long_prefill_tokens, cfg.schedule_aging_s)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batched_tokens: int, max_num_seqs: int,
-                 enable_prefix_cache: bool = True):
+                 enable_prefix_cache: bool = True, policy: SchedulePolicy | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns):
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_cache = enable_prefix_cache
+        self.policy = policy or SchedulePolicy()
+        self.clock_ns = clock_ns  # the same clock as Sequence.arrival_ns
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = EngineStats()
+        self._cached_estimate: dict[Sequence, int] = {}  # srpf: device-cached prefix of a waiting prompt
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,8 +101,51 @@ class Scheduler:
         return batch
 
     def _schedule_once(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
+        batch = self._schedule_srpf() if self.policy.kind == "srpf" else self._schedule_prefill()
         return batch if batch.seqs else self._schedule_decode()
+
+    # ---- srpf --------------------------------------------------------------------------------------
+    def _schedule_srpf(self) -> ScheduledBatch:
+        batch = ScheduledBatch(True, [], [])
+        budget = self.max_batched_tokens
+        cap = self.policy.long_prefill_tokens or budget
+        now = self.clock_ns()
+        prompts = [s for s in self.running if s.num_uncomputed > 1] + list(self.waiting)
+        for seq in sorted(prompts, key=lambda s: self._priority(s, now)):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.WAITING:
+                if len(self.running) >= self.max_num_seqs:
+                    continue
+                self._admit_prefix(seq)
+                n = min(seq.num_uncomputed, budget, cap)
+                if not self._try_grow(seq, n):
+                    self._drop_blocks(seq)  # retry later, when blocks are free; shorter ones may fit
+                    continue
+                self.waiting.remove(seq)
+                self._cached_estimate.pop(seq, None)
+                seq.first_scheduled_ns = seq.first_scheduled_ns or now
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+            else:
+                n = min(seq.num_uncomputed, budget, cap)
+                if not self._try_grow(seq, n):
+                    continue
+            batch.seqs.append(seq), batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _priority(self, seq: Sequence, now_ns: int) -> tuple[float, int]:
+        """Smaller first: tokens still to compute, halved per `aging_s` waited; ties in arrival order."""
+        remaining = seq.num_uncomputed
+        if seq.status is SeqStatus.WAITING and not seq.block_table and self.enable_prefix_cache:
+            cached = self._cached_estimate.get(seq)
+            if cached is None:  # a read-only look, once: ordering needs an estimate, not a promise
+                cached = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1).num_tokens
+                self._cached_estimate[seq] = cached
+            remaining -= cached
+        waited_s = max(0, now_ns - seq.arrival_ns) / 1e9
+        return remaining / (1.0 + waited_s / self.policy.aging_s), seq.arrival_ns
 
     def _schedule_prefill(self) -> ScheduledBatch:
         batch = ScheduledBatch(True, [], [])
@@ -171,6 +244,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._cached_estimate.pop(seq, None)
         self._unpin(seq)
         keep = reason != "abort" and (seq.retain_kv or (seq.prefill_only and reason == "prefilled"))
         if seq.block_table and not keep:

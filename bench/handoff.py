@@ -298,8 +298,10 @@ def plot(r: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny only, 2K only, R=1, N=10 (< 2 minutes)")
-    ap.add_argument("--out", default="bench/results/handoff.json")
+    ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/handoff-<time>/handoff.json, "
+                                                "gitignored; pass bench/results/handoff.json to update the committed one)")
     args = ap.parse_args(argv)
+    args.out = args.out or f"runs/handoff-{time.strftime('%Y%m%d-%H%M%S')}/handoff.json"
     p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
     g = torch.Generator().manual_seed(SEED)
     handoff, overhead = [], None

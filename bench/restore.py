@@ -328,8 +328,10 @@ def plot(r: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny 2K only, fewer repeats (< 2 minutes)")
-    ap.add_argument("--out", default="bench/results/restore.json")
+    ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/restore-<time>/restore.json, "
+                                                "gitignored; pass bench/results/restore.json to update the committed one)")
     args = ap.parse_args(argv)
+    args.out = args.out or f"runs/restore-{time.strftime('%Y%m%d-%H%M%S')}/restore.json"
     p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
     g = torch.Generator().manual_seed(SEED)
     ttft = [bench_size(model, n, k, p, g) for model, n, k in p["sizes"]]

@@ -29,7 +29,9 @@ def _generate(args: argparse.Namespace) -> int:
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.models import load_model
     from shared.engine.sampling import SamplingParams
+    from shared.logging import setup_logging
 
+    setup_logging("generate", "cli", level="warning", json=False)  # stdout is the completion, nothing else
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     prompt_ids = (tok.chat_token_ids([{"role": "user", "content": args.prompt}]) if args.chat
@@ -46,7 +48,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVICE_NAMES = ("router", "gate", "prefill", "decode")
+SERVICES = {
+    "router": "the OpenAI-compatible HTTP API: tokenization, prefill choice, dispatch on the bus",
+    "gate": "KV admission per decode instance",
+    "prefill": "prefill engine: device prefix cache, chunked prefill, KV handoff, the pool connector",
+    "decode": "decode engine: landing slots, continuous batching, token stream",
+    "master": "the KV pool's master (supervises mooncake_master)",
+    "store": "a DRAM segment of the KV pool",
+}
+SERVICE_NAMES = tuple(SERVICES)
 
 
 def _add_up(sub) -> None:
@@ -74,36 +84,71 @@ def _up(args: argparse.Namespace) -> int:
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="health and load of every service, as reported on the bus")
     p.add_argument("--nats-url", help="default: the bus of the `moorage up` running from --run-dir")
-    p.add_argument("--run-dir", default=".moorage")
+    p.add_argument("--run-dir", default=".moorage",
+                   help="where the `moorage up` to ask about keeps its state (its up.run_dir; default %(default)s); "
+                        "exits 1 saying so when no running system is found there")
     p.add_argument("--prefix", default="moorage", help="bus subject prefix")
     p.set_defaults(func=lambda a: __import__("shared.status", fromlist=["run_status"]).run_status(
         a.nats_url, a.run_dir, a.prefix))
 
 
-def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="run one service (what compose and systemd start)", add_help=False)
-    p.add_argument("service", choices=SERVICE_NAMES)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="--config FILE, --set KEY=VALUE, --print-config")
-    p.set_defaults(func=_serve)
+# Subcommands whose arguments belong to another parser: main() hands them their argv before argparse
+# sees it (argparse cannot pass a leading --help through to a REMAINDER), so `moorage trace --help`,
+# `moorage bench --help` and `moorage serve --help` print help.
+TRACE_TARGET = "bench.agentic.synth:main"
+BENCHES = {
+    "agentic": ("bench.agentic.replay:main", "AgentX-style replay of agent traces against moorage (starts a system)"),
+    "sweep": ("bench.agentic.sweep:main", "the same traces at several loads against several topologies"),
+    "aiperf": ("bench.aiperf.main:main", "NVIDIA AIPerf replays agent traces against moorage + SmolLM2, pool on "
+                                         "vs off (AIPerf in its own .venv-aiperf, made on first use)"),
+}
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _listing(usage: str, entries: dict[str, str], footer: str) -> str:
+    width = max(len(n) for n in entries)
+    return "\n".join([usage, "", *(f"  {n.ljust(width)}  {h}" for n, h in entries.items()), "", footer])
+
+
+def _dispatch(rest: list[str], names: dict[str, str], usage: str, footer: str, run) -> int:
+    """`moorage <command> NAME ...` -> run(NAME, rest); no name: the listing on stderr, exit 2; -h/--help: on
+    stdout, exit 0."""
+    if rest and rest[0] in names:
+        return run(rest[0], rest[1:])
+    text = _listing(usage, names, footer)
+    if rest[:1] in (["-h"], ["--help"]):
+        print(text)
+        return 0
+    print(text, file=sys.stderr)
+    if rest:
+        print(f"\nerror: unknown name {rest[0]!r} (choose from {', '.join(names)})", file=sys.stderr)
+    return 2
+
+
+def _serve_main(rest: list[str]) -> int:
+    return _dispatch(rest, SERVICES, f"usage: moorage serve {{{','.join(SERVICES)}}} [--config FILE] "
+                     "[--set SECTION.KEY=VALUE] [--print-config]",
+                     "Runs one service in the foreground (what compose and systemd start); "
+                     "`moorage serve <service> --help` for its options.", _serve)
+
+
+def _serve(service: str, rest: list[str]) -> int:
     import importlib
 
     from shared.service import run_service
 
-    config_module = importlib.import_module(f"services.{args.service}.config")
+    config_module = importlib.import_module(f"services.{service}.config")
     config_cls = next(getattr(config_module, n) for n in dir(config_module)
-                      if n.endswith("Config") and n.lower() == f"{args.service}config")
-    serve = importlib.import_module(f"services.{args.service}.main").serve
-    return run_service(args.service, config_cls, serve, args.rest)
+                      if n.endswith("Config") and n.lower() == f"{service}config")
+    serve = importlib.import_module(f"services.{service}.main").serve
+    return run_service(service, config_cls, serve, rest)
 
 
-def _add_passthrough(sub, name: str, help_: str, target: str) -> None:
-    """A subcommand whose arguments belong to another module's own parser (benchmarks, traces)."""
-    p = sub.add_parser(name, help=help_, add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: _call(target, a.rest))
+def _bench_main(rest: list[str]) -> int:
+    return _dispatch(rest, {n: h for n, (_, h) in BENCHES.items()},
+                     f"usage: moorage bench {{{','.join(BENCHES)}}} [options]",
+                     "`moorage bench <name> --help` for its options. Results go to runs/<name>-<time>/ "
+                     "(gitignored) unless --out says otherwise.",
+                     lambda name, argv: _call(BENCHES[name][0], argv))
 
 
 def _call(target: str, rest: list[str]) -> int:
@@ -113,31 +158,34 @@ def _call(target: str, rest: list[str]) -> int:
     return getattr(importlib.import_module(module), attr)(rest)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    targets = {"agentic": "bench.agentic.replay:main", "sweep": "bench.agentic.sweep:main"}
-    if not args.rest or args.rest[0] not in targets:
-        print(f"usage: moorage bench {{{','.join(targets)}}} [options]  (--help after the name for options)")
-        return 2
-    return _call(targets[args.rest[0]], args.rest[1:])
+PASSTHROUGH = {"trace": lambda rest: _call(TRACE_TARGET, rest), "bench": _bench_main, "serve": _serve_main}
+
+
+def _add_passthrough(sub, name: str, help_: str) -> None:
+    """Listed in `moorage --help`; main() dispatches it before parsing."""
+    p = sub.add_parser(name, help=help_, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: PASSTHROUGH[name](a.rest))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="moorage", description="moorage: disaggregated serving with a shared KV pool")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_up(sub)
-    _add_serve(sub)
+    _add_passthrough(sub, "serve", f"run one service ({', '.join(SERVICES)}): what compose and systemd start")
     _add_status(sub)
-    _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one", "bench.agentic.synth:main")
-    bench = sub.add_parser("bench", help="agentic replay (`bench agentic`) and topology sweeps (`bench sweep`)",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
-    args = parser.parse_args(argv)
+    _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one")
+    _add_passthrough(sub, "bench", f"benchmarks against a started system: {', '.join(BENCHES)}")
+    command = argv[0] if argv else None
     try:
+        if command in PASSTHROUGH:
+            return PASSTHROUGH[command](argv[1:])
+        args = parser.parse_args(argv)
         return args.func(args)
     except ValueError as e:  # includes ConfigError
-        print(f"moorage {args.command}: error: {e}", file=sys.stderr)
+        print(f"moorage {command}: error: {e}", file=sys.stderr)
         return 2
 
 

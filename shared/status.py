@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -11,9 +13,19 @@ from pathlib import Path
 from shared.bus import Bus, BusConfig
 from shared.messages import LoadReport
 
+STATE_FILE = "up.json"  # shared.up.STATE_FILE (not imported: status must not pull in every service's config)
 
-async def collect_reports(nats_url: str, prefix: str = "moorage", seconds: float = 1.5) -> dict:
-    bus = await Bus.connect(BusConfig(url=nats_url, prefix=prefix), "moorage-status")
+
+async def collect_reports(nats_url: str, prefix: str = "moorage", seconds: float = 1.5,
+                          connect_timeout_s: float = 3.0) -> dict:
+    async def quiet(e: Exception) -> None:  # the bus client would print a traceback per failed try
+        pass
+
+    # bounded: the bus client retries a refused first connect for as long as it is let
+    bus = await asyncio.wait_for(
+        Bus.connect(BusConfig(url=nats_url, prefix=prefix, connect_timeout_s=connect_timeout_s), "moorage-status",
+                    error_cb=quiet),
+        connect_timeout_s)
     reports: dict[tuple[str, str], tuple[LoadReport, float]] = {}
 
     async def on_load(msg: LoadReport, raw) -> None:
@@ -61,19 +73,77 @@ def format_table(reports: dict) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's
+        return True
+    return True
+
+
+def _refused(nats_url: str) -> str:
+    """Why the bus's first address does not take a TCP connection ("" if it does, or cannot be told)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        u = urlparse(nats_url.split(",")[0].strip())
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=2):
+            return ""
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _fail(message: str) -> int:
+    print(f"moorage status: {message}", file=sys.stderr)
+    return 1
+
+
+def find_system(run_dir: str | os.PathLike) -> tuple[dict | None, str]:
+    """(the state `moorage up` left in run_dir, "") while that system runs, else (None, why not)."""
+    run = Path(run_dir)
+    state_file = run / STATE_FILE
+    if not run.is_dir():
+        return None, (f"no system found: {run} does not exist (start one with `moorage up`, or pass the "
+                      f"--run-dir it uses (up.run_dir), or --nats-url)")
+    if not state_file.exists():
+        return None, (f"no system found in {run}: no {STATE_FILE} there (a running `moorage up` writes it and "
+                      f"removes it when it stops); pass the --run-dir of a running one, or --nats-url")
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"no system found in {run}: {state_file} is unreadable ({e})"
+    pids = [p for p in (state.get("pids") or {}).values() if isinstance(p, int)]
+    if pids and not any(_alive(p) for p in pids):
+        return None, (f"no system running in {run}: none of the {len(pids)} processes recorded in {state_file} "
+                      f"is alive (a `moorage up` that did not stop cleanly; the file is stale)")
+    if not state.get("nats_url"):
+        return None, f"no system found in {run}: {state_file} names no bus (nats_url); pass --nats-url"
+    return state, ""
+
+
 def run_status(nats_url: str | None, run_dir: str, prefix: str) -> int:
-    state_file = Path(run_dir) / "up.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    url = nats_url or state.get("nats_url")
-    if not url:
-        print(f"moorage status: no running `moorage up` found in {run_dir}; pass --nats-url")
-        return 1
-    reports = asyncio.run(collect_reports(url, prefix))
+    state: dict = {}
+    if not nats_url:
+        found, why = find_system(run_dir)
+        if found is None:
+            return _fail(why)
+        state = found
+    url = nats_url or state["nats_url"]
+    refused = _refused(url)
+    if refused:
+        return _fail(f"cannot reach the bus at {url} ({refused})"
+                     + ("" if nats_url else f"; is the system in {run_dir} still starting or stopping?"))
+    try:
+        reports = asyncio.run(collect_reports(url, prefix))
+    except Exception as e:  # connection refused, timeout, auth: the bus is not there
+        return _fail(f"cannot reach the bus at {url} ({type(e).__name__}: {e})")
     print(f"bus: {url}")
     if state.get("router_url"):
         print(f"router: {state['router_url']}/v1  health: {router_health(state['router_url'])}")
     if not reports:
-        print("no service reported in 1.5 s")
-        return 1
+        return _fail(f"no service reported on the bus at {url} in 1.5 s")
     print(format_table(reports))
     return 0 if all(r.ready for r, _ in reports.values()) else 1

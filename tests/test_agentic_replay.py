@@ -371,6 +371,60 @@ def test_cli_against_a_running_server_writes_json_and_png(fake, tmp_path):
     assert st["ceiling"]["measured"]["ratio"] > 0 and (tmp_path / "r.png").stat().st_size > 10_000
 
 
+
+def test_real_think_times_uncapped(fake):
+    c = cfg("http://x", think_time_scale=1.0, think_time_cap_s=None)
+    assert rp.think_delay(1000.0, c) == 1000.0 and rp.think_delay(None, c) == 0.0
+    import argparse
+
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        rp.add_replay_args(p)
+        args = p.parse_args(list(argv))
+        rp.resolve_think(args, list(argv))
+        return args.think_scale, args.think_cap
+
+    assert parsed() == (rp.ReplayConfig.think_time_scale, rp.ReplayConfig.think_time_cap_s)  # defaults unchanged
+    assert parsed("--real-think") == (1.0, None)
+    assert parsed("--real-think", "--think-cap", "30") == (1.0, 30.0)
+    assert parsed("--real-think", "--think-scale=0.5") == (0.5, None)
+    assert parsed("--think-cap", "none") == (rp.ReplayConfig.think_time_scale, None)
+    # recorded waits are honoured as recorded, beyond the old 2 s cap
+    f, url = fake
+    s = session("s", [req(0.0, 10), req(3.0, 20, think=2.5)])
+    stats = run([s], cfg(url, think_time_scale=1.0, think_time_cap_s=None))
+    assert [r["think_s"] for r in stats["records"]] == pytest.approx([0.0, 2.5])
+    assert stats["config"]["think_time_cap_s"] is None
+
+
+def test_model_flag_is_sent_and_served():
+    import argparse
+
+    from shared.config import load_config
+    from shared.up import UpConfig
+
+    sets, _ = system.topology_overrides("shared", store_bytes=1 << 20, model="smollm2-135m")
+    assert load_config(UpConfig, overrides=sets).up.model == "smollm2-135m"
+    sessions = [chain("s1", 3)]
+    p = argparse.ArgumentParser()
+    rp.add_replay_args(p)
+    system.add_system_args(p)
+    args = p.parse_args(["--model", "smollm2-135m"])
+    sets, _ = system.system_overrides(args, "none", sessions, 2)
+    assert "up.model=smollm2-135m" in sets and rp.replay_config(args, 2, 0).model == "smollm2-135m"
+    sets, _ = system.system_overrides(p.parse_args([]), "none", sessions, 2)
+    assert "up.model=tiny" in sets  # the default stays the tiny model
+
+
+def test_default_output_goes_to_a_gitignored_run_dir(fake, tmp_path, monkeypatch):
+    assert rp.default_out("sweep", "agentic.json").startswith("runs/sweep-")
+    f, url = fake
+    monkeypatch.chdir(tmp_path)
+    assert rp.main(["--url", url, "--quick", "--concurrency", "2", "--think-scale", "0", "--no-progress"]) == 0
+    [out] = list((tmp_path / "runs").glob("agentic-*/agentic-replay.json"))
+    assert json.loads(out.read_text())["kind"] == "moorage-bench-agentic" and out.with_suffix(".png").exists()
+
+
 # --- the real system -----------------------------------------------------------------------------
 
 def test_smoke_replay_against_moorage_up(tmp_path):

@@ -129,10 +129,10 @@ async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, 
     svc = PrefillService(_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("cancel me before I run " * 3)
     svc.pending["r1"] = p = Pending(SimpleNamespace(request_id="r1", prompt_ids=prompt), None)
-    admit = asyncio.create_task(svc._admit(p, SamplingParams(max_tokens=8)))
-    await asyncio.sleep(0)  # the engine loop has the add queued
-    await svc.on_cancel(Cancel("r1", "client closed"), None)
     svc.loop.start()
+    admit = asyncio.create_task(svc._admit(p, SamplingParams(max_tokens=8)))
+    await asyncio.sleep(0)  # the admission is under way (the add itself does not wait for a step)
+    await svc.on_cancel(Cancel("r1", "client closed"), None)
     await admit
     await _settle()
     await svc.loop.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -33,3 +34,73 @@ def test_generate_chat_answers_paris():
     r = run_cli("generate", "--model", "smollm2-135m", "--chat", "--prompt", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+# --- help and status -------------------------------------------------------------------------------
+
+def _main(argv: list[str]) -> int:
+    """shared.cli.main in-process; a sub-parser's --help exits through SystemExit."""
+    from shared.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["trace", "--help"], "usage: moorage trace"),
+    (["trace", "synth", "--help"], "--sessions"),
+    (["bench", "--help"], "aiperf"),
+    (["bench", "-h"], "sweep"),
+    (["bench", "agentic", "--help"], "--real-think"),
+    (["bench", "aiperf", "--help"], "--request-count"),
+    (["serve", "--help"], "master"),
+    (["serve", "gate", "--help"], "--print-config"),
+])
+def test_help_prints_help(argv, expect, capsys):
+    assert _main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and expect in out
+
+
+def test_help_as_a_user_runs_it():
+    for cmd in (["trace", "--help"], ["bench", "--help"], ["serve", "--help"]):
+        r = run_cli(*cmd, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("usage: moorage " + cmd[0]), (cmd, r.stderr)
+
+
+def test_missing_or_unknown_names_fail_with_the_listing(capsys):
+    assert _main(["bench"]) == 2
+    assert "agentic" in capsys.readouterr().err
+    assert _main(["serve", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown name 'nope'" in err and "prefill" in err
+
+
+def test_status_says_when_no_system_is_there(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert _main(["status", "--run-dir", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "no system found" in err and str(missing) in err
+    assert _main(["status", "--run-dir", str(tmp_path)]) == 1  # exists, but no up.json
+    err = capsys.readouterr().err
+    assert "no system found in" in err and "up.json" in err
+    # a stale up.json: the launcher was killed, every recorded process is gone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "up.json").write_text(json.dumps({"nats_url": "nats://127.0.0.1:9", "router_url": "http://x",
+                                                  "pids": {"router-0": gone.pid}}))
+    assert _main(["status", "--run-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no system running" in err and "stale" in err
+
+
+def test_status_says_when_the_bus_is_not_there(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _main(["status", "--nats-url", f"nats://127.0.0.1:{port}", "--run-dir", str(tmp_path)]) == 1
+    assert "cannot reach the bus" in capsys.readouterr().err

@@ -46,7 +46,7 @@ class ReplayConfig:
     concurrency: int = 4               # session lanes (subagents add in-flight requests on top, as recorded)
     duration_s: float = 0.0            # stop starting new turns after this; 0 = replay every session fully
     think_time_scale: float = 0.05     # recorded think time x this ...
-    think_time_cap_s: float = 2.0      # ... capped at this (so a replay fits the machine)
+    think_time_cap_s: float | None = 2.0  # ... capped at this (so a replay fits the machine); None = uncapped
     warmup_turns: int = 1              # per session, excluded from statistics
     request_timeout_s: float = 300.0
     api_key: str = ""
@@ -58,7 +58,7 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.duration_s < 0 or self.think_time_scale < 0 or self.think_time_cap_s < 0:
+        if self.duration_s < 0 or self.think_time_scale < 0 or (self.think_time_cap_s or 0) < 0:
             raise ValueError("duration_s, think_time_scale and think_time_cap_s must not be negative")
         if self.warmup_turns < 0:
             raise ValueError(f"warmup_turns must not be negative, got {self.warmup_turns}")
@@ -146,8 +146,11 @@ def recorded_end(sub) -> float:
 
 
 def think_delay(recorded_s: float | None, cfg: ReplayConfig) -> float:
-    """Recorded think time (s) x scale, capped."""
-    return max(0.0, min(float(recorded_s or 0.0) * cfg.think_time_scale, cfg.think_time_cap_s))
+    """Recorded think time (s) x scale, capped (cap None: uncapped)."""
+    delay = float(recorded_s or 0.0) * cfg.think_time_scale
+    if cfg.think_time_cap_s is not None:
+        delay = min(delay, cfg.think_time_cap_s)
+    return max(0.0, delay)
 
 
 class _Progress:
@@ -385,14 +388,41 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=0, help="replay only the first K sessions (0 = all)")
     p.add_argument("--think-scale", type=float, default=ReplayConfig.think_time_scale,
                    help="recorded think time x this (default %(default)s)")
-    p.add_argument("--think-cap", type=float, default=ReplayConfig.think_time_cap_s,
-                   help="cap on the scaled think time, s (default %(default)s)")
+    p.add_argument("--think-cap", type=_cap, default=ReplayConfig.think_time_cap_s,
+                   help="cap on the scaled think time, s; 'none' = uncapped (default %(default)s)")
+    p.add_argument("--real-think", action="store_true",
+                   help="the recorded think times as they are: --think-scale 1 --think-cap none (unless given)")
     p.add_argument("--warmup-turns", type=int, default=ReplayConfig.warmup_turns,
                    help="turns per session excluded from statistics (default %(default)s)")
     p.add_argument("--timeout", type=float, default=ReplayConfig.request_timeout_s, help="per request, s")
-    p.add_argument("--model", default="tiny", help="model name sent in requests")
+    p.add_argument("--model", default="tiny",
+                   help="model sent in requests, and served by the system started when there is no --url: "
+                        "tiny (default) or smollm2-135m (8K context: keep the corpus' prompts well below)")
     p.add_argument("--api-key", default=os.environ.get("MOORAGE_API_KEY", ""))
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _cap(text: str) -> float | None:
+    """--think-cap: seconds, or none/inf/off for uncapped."""
+    if text.strip().lower() in ("none", "inf", "off", "uncapped"):
+        return None
+    return float(text)
+
+
+def resolve_think(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    """--real-think: scale 1 and no cap, except where --think-scale / --think-cap were given explicitly."""
+    if not getattr(args, "real_think", False):
+        return
+    given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])}
+    if "--think-scale" not in given:
+        args.think_scale = 1.0
+    if "--think-cap" not in given:
+        args.think_cap = None
+
+
+def default_out(name: str, file: str | None = None) -> str:
+    """A fresh run directory under runs/ (gitignored): runs/<name>-<YYYYmmdd-HHMMSS>/<file or name.json>."""
+    return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}" / (file or f"{name}.json"))
 
 
 def replay_config(args: argparse.Namespace, concurrency: int, duration_s: float) -> ReplayConfig:
@@ -409,15 +439,19 @@ def write_json(path: str | os.PathLike, obj: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moorage bench agentic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running router; omit: start moorage (model tiny) for the run and stop it")
+    p.add_argument("--url", help="a running router; omit: start moorage (serving --model) for the run and stop it")
     p.add_argument("--concurrency", type=int, default=4, help="session lanes (default %(default)s)")
     p.add_argument("--duration", type=float, default=0.0, help="stop starting new turns after S s (0 = all)")
     p.add_argument("--topology", default="shared", help=f"with no --url: {TOPOLOGY_HELP} (default %(default)s)")
-    p.add_argument("--out", default="bench/results/agentic-replay.json", help="JSON result ('' = none)")
+    p.add_argument("--out", default=None, help="JSON result ('' = none; default runs/agentic-<time>/"
+                                               "agentic-replay.json, gitignored; bench/results/ on request)")
     p.add_argument("--png", default=None, help="plots (default: --out with .png)")
     add_replay_args(p)
     add_system_args(p)
     args = p.parse_args(argv)
+    resolve_think(args, argv)
+    if args.out is None:
+        args.out = default_out("agentic", "agentic-replay.json")
 
     sessions, source = load_sessions(args.traces, args.quick, args.seed)
     sessions = sessions[: args.max_sessions or None]

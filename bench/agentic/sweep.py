@@ -2,7 +2,7 @@
 
 For every topology (`<none|split|shared>[-<cache-aware|sticky|p2c>]`: no pool, a pool per group, one pool
 shared by every group; the router's routing policy) a fresh system is started with `shared.up.Launcher`
-(model `tiny`, `--groups` groups, device KV sized so that device memory alone holds well under the
+(`--model`, default `tiny`, `--groups` groups, device KV sized so that device memory alone holds well under the
 perfect-cache ceiling), the traces are replayed at each concurrency (`bench.agentic.replay`), and the system
 is stopped. By default one system serves all loads of a topology, each load under its own run tag (its
 prompts and session ids cannot reuse an earlier load's cache or affinity); `--restart-per-load` starts a
@@ -121,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="per load: stop starting new turns after S s (0 = replay all; default %(default)s)")
     p.add_argument("--restart-per-load", action="store_true", help="a fresh system for every load")
     p.add_argument("--baseline", default="shared", help="the topology the ratios compare with")
-    p.add_argument("--out", default="bench/results/agentic.json")
+    p.add_argument("--out", default=None, help="JSON result (default runs/sweep-<time>/agentic.json, gitignored; "
+                                               "pass bench/results/agentic.json to update the committed one)")
     p.add_argument("--png", default=None, help="plots (default: --out with .png)")
     rp.add_replay_args(p)
     system.add_system_args(p)
     p.set_defaults(groups=2)
     args = p.parse_args(argv)
+    rp.resolve_think(args, argv)
+    if args.out is None:
+        args.out = rp.default_out("sweep", "agentic.json")
     args.topologies = args.topologies or ("none,shared" if args.quick else DEFAULT_TOPOLOGIES)
     args.concurrency = args.concurrency or ("2" if args.quick else "1,2,4")
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]

@@ -25,15 +25,16 @@ TOPOLOGY_HELP = "<none|split|shared>[-<cache-aware|sticky|p2c>]"
 
 
 def topology_overrides(topology: str, groups: int = 1, device_blocks: int = 0, store_bytes: int = 0,
-                       decode_blocks: int = 0, stores: int = 0) -> tuple[list[str], list[str]]:
+                       decode_blocks: int = 0, stores: int = 0, model: str = "tiny") -> tuple[list[str], list[str]]:
     """(UpConfig overrides, notes) for a topology `<pool mode>[-<routing>]` (none, split, shared,
-    shared-p2c, shared-sticky, none-p2c, ...; routing defaults to cache-aware) on `groups` groups."""
+    shared-p2c, shared-sticky, none-p2c, ...; routing defaults to cache-aware) on `groups` groups, serving
+    `model` (tiny, smollm2-135m, ...)."""
     mode, _, routing = topology.partition("-")
     routing = routing or "cache-aware"
     if mode not in ("none", "split", "shared") or routing not in ("cache-aware", "sticky", "p2c"):
         raise ValueError(f"unknown topology {topology!r}: {TOPOLOGY_HELP}")
     notes: list[str] = []
-    sets = ["up.model=tiny", f"up.pool={'false' if mode == 'none' else 'true'}",
+    sets = [f"up.model={model}", f"up.pool={'false' if mode == 'none' else 'true'}",
             f"router.router.routing={routing}"]
     if up_supports("groups", "pool_mode"):
         sets.append(f"up.groups={groups}")
@@ -125,7 +126,7 @@ def system_overrides(args: argparse.Namespace, topology: str, sessions: list,
     device, decode = auto_blocks(sessions, args.groups, args.device_fraction, concurrency,
                                  min_prompts=args.device_min_prompts)
     sets, notes = topology_overrides(topology, args.groups, args.device_blocks or device, args.store_bytes,
-                                     args.decode_blocks or decode, args.stores)
+                                     args.decode_blocks or decode, args.stores, getattr(args, "model", "tiny"))
     if not topology.startswith("none"):  # same bytes per batched read as 4 chunks of 256 tokens
         sets += [f"prefill.engine.chunk_tokens={args.chunk_tokens}",
                  f"prefill.pool.restore_batch_chunks={max(4, 1024 // args.chunk_tokens)}"]

@@ -74,7 +74,7 @@ class PrefillService:
         pinned = restored.pinned if restored else []
         if p.cancelled:
             self.pending.pop(rid, None)
-            await self.loop.call(lambda: self.engine.block_manager.release(reversed(pinned)))
+            await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(pinned)))
             return
 
         def add() -> None:  # p.seq is set in the same breath as the engine takes it: no step in between
@@ -82,7 +82,7 @@ class PrefillService:
                                             pinned_blocks=pinned,
                                             restored_range=restored.token_range if restored else (0, 0))
         try:
-            await self.loop.call(add)
+            await self.loop.call_now(add)  # queued at once, even while a long step computes
         except ValueError as e:
             self.pending.pop(rid, None)
             await self._fail(rid, 400, str(e))
@@ -192,7 +192,7 @@ class PrefillService:
             finally:
                 self.pending.pop(rid, None)
                 with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
-                    await self.loop.call(lambda: self.engine.block_manager.release(reversed(table)))
+                    await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
 
     async def _fail(self, rid: str, status: int, message: str) -> None:
         with contextlib.suppress(Exception):

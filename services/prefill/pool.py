@@ -87,7 +87,7 @@ class PoolConnector:
         usable = (len(prompt) - 1) // self.chunk  # leave a token to compute: its logits pick the next
         outcome = {"request_id": request_id, "prompt_tokens": len(prompt)}
         with tracer.start_as_current_span("store.lookup", context=trace_ctx) as span:
-            match = await self.loop.call(lambda: self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1))
+            match = await self.loop.call_now(lambda: self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1))
             c0 = match.num_tokens // self.chunk
             outcome.update(device_tokens=match.num_tokens, candidate_chunks=max(0, usable - c0))
             span.set_attributes(outcome)
@@ -114,7 +114,7 @@ class PoolConnector:
             self.bm.acquire(held)
             return held
 
-        return self._outcome(how, fields, Restored(await self.loop.call(pin), (0, 0)))
+        return self._outcome(how, fields, Restored(await self.loop.call_now(pin), (0, 0)))
 
     def _outcome(self, how: str, fields: dict, restored: Restored) -> Restored:
         """Every restore decision is counted and logged: the first thing to read when reuse is low."""
@@ -150,7 +150,7 @@ class PoolConnector:
             return verdict
 
         t_wait = time.perf_counter()
-        while (reserved := await self.loop.call(lambda: reserve(time.monotonic() < deadline))) is False:
+        while (reserved := await self.loop.call_now(lambda: reserve(time.monotonic() < deadline))) is False:
             await asyncio.sleep(_BLOCK_POLL_S)
         span.set_attribute("block_wait_ms", (time.perf_counter() - t_wait) * 1e3)
         if reserved is None:
@@ -176,7 +176,7 @@ class PoolConnector:
                 self.bm.release(reversed(fresh[good * bpc:]))
                 return table
 
-            pinned = await self.loop.call(commit)
+            pinned = await self.loop.call_now(commit)
         self.counters["restored_chunks"] += good
         span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
                              "ms": (time.perf_counter() - t0) * 1e3,
@@ -244,7 +244,7 @@ class PoolConnector:
             self.counters["save_failures"] += 1
             log.warning("save failed", request_id=request_id, error=str(e))
         finally:
-            await self.loop.call(lambda: self.bm.release(reversed(blocks)))
+            await self.loop.call_now(lambda: self.bm.release(reversed(blocks)))
 
     async def _save_chunk(self, digest: bytes, blocks: list[int]) -> bool:
         keys, addrs, sizes, off = self._keys(digest), [], [], 0

@@ -8,6 +8,7 @@ only when its last owner lets go.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -96,6 +97,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stalled = False
+        self.lock = threading.RLock()  # see step(): what may change while a forward pass runs
 
     @property
     def stats(self) -> EngineStats:
@@ -171,15 +173,21 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """One scheduled batch. Raises StepFailed (its requests aborted) if computing it fails."""
-        batch = self.scheduler.schedule()
-        self.stalled = batch is None and self.scheduler.has_work()  # waiting for blocks held elsewhere
+        """One scheduled batch. Raises StepFailed (its requests aborted) if computing it fails. The
+        books (scheduler, block manager, sequences) change only under `lock`; the forward pass itself
+        runs without it, touching only the pages of the batch's own blocks."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            self.stalled = batch is None and self.scheduler.has_work()  # waiting for blocks held elsewhere
         if batch is None:
             return []
         try:
-            return self._run_batch(batch)
+            samplers, logits = self.runner.run(batch)
+            with self.lock:
+                return self._finish_batch(batch, samplers, logits)
         except Exception as e:
-            raise StepFailed(self._abort_batch(batch), e) from e
+            with self.lock:
+                raise StepFailed(self._abort_batch(batch), e) from e
 
     def _abort_batch(self, batch: ScheduledBatch) -> list[str]:
         """Ends every sequence of a failed batch and releases its blocks. A sequence the batch already
@@ -196,8 +204,7 @@ class Engine:
             failed.append(seq.request_id)
         return failed
 
-    def _run_batch(self, batch: ScheduledBatch) -> list[StepOutput]:
-        samplers, logits = self.runner.run(batch)
+    def _finish_batch(self, batch: ScheduledBatch, samplers: list[int], logits) -> list[StepOutput]:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             self._register_full_blocks(seq)

@@ -1,8 +1,11 @@
 """Drives an Engine from asyncio: steps run in one worker thread, everything else on the event loop.
 
-Invariant: engine state (requests, block manager) is only mutated on the event loop *between* steps,
-through `call`; the worker thread only runs `engine.step()`. Bulk reads and writes of pages owned by a
-handoff (gather, scatter) may run in other threads: those blocks belong to no running sequence.
+Invariant: engine state (requests, block manager) is only mutated on the event loop, through `call`
+(between two steps: anything, aborts of running requests included) or `call_now` (at once, under the
+engine's lock, even while a step's forward pass runs: only changes that touch no running sequence, such
+as queueing a request or pinning, restoring and releasing blocks no running sequence owns). The worker
+thread only runs `engine.step()`. Bulk reads and writes of pages owned by a handoff (gather, scatter) may
+run in other threads: those blocks belong to no running sequence.
 
 Failures: a step that raises StepFailed fails only its requests (`on_failed`) and the loop goes on;
 any other error marks the loop dead (`dead_reason`). A step running longer than `stall_after_s` makes
@@ -73,6 +76,17 @@ class EngineLoop:
         self._pending.append((fn, fut))
         self._wake.set()
         return await fut
+
+    async def call_now(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() now, without waiting for the running step to end (a step of a long prompt may take
+        seconds): for changes that touch no running sequence (see the module's invariant). The engine's
+        lock keeps fn out of the step's own bookkeeping, which lasts milliseconds."""
+        if self.dead_reason is not None:
+            raise EngineLoopDead(self.dead_reason)
+        with self.engine.lock:
+            result = fn()
+        self._wake.set()  # an idle loop has work now
+        return result
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []

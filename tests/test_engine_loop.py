@@ -1,0 +1,52 @@
+"""EngineLoop.call_now: queueing a request (or pinning blocks no running sequence owns) does not wait for
+the step in flight, which may be a long prompt's chunk; the output is the same as without the overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.loop import EngineLoop
+from shared.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+async def test_a_request_is_queued_while_a_step_computes(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    expected = Engine(tiny, EngineConfig(num_blocks=64)).generate([[5, 6, 7, 8] * 20], GREEDY)[0].output_ids
+    in_forward, release = threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def slow_run(batch):  # the first forward blocks until the test lets it go
+        if not release.is_set():
+            in_forward.set()
+            release.wait(30)
+        return run(batch)
+
+    engine.runner.run = slow_run
+    done: dict[str, list[int]] = {}
+    finished = asyncio.Event()
+
+    async def on_outputs(outputs):
+        for o in outputs:
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not engine.has_unfinished():
+            finished.set()
+
+    loop = EngineLoop(engine, on_outputs)
+    loop.start()
+    try:
+        await loop.call_now(lambda: engine.add_request("cold", [9, 10, 11] * 40, GREEDY))
+        assert await asyncio.to_thread(in_forward.wait, 30)  # a step is computing "cold"
+        await asyncio.wait_for(loop.call_now(lambda: engine.add_request("turn", [5, 6, 7, 8] * 20, GREEDY)), 2)
+        assert engine.sequences["turn"] in engine.scheduler.waiting  # queued while the forward runs
+        release.set()
+        await asyncio.wait_for(finished.wait(), 60)
+    finally:
+        release.set()
+        await loop.stop()
+    assert done["turn"] == expected
+    assert engine.block_manager.num_free_blocks == 64
+    engine.block_manager.check_integrity()

@@ -1,4 +1,4 @@
-"""KV copy kernels and the one place that picks a backend for a device.
+"""KV copy and attention kernels, and the one place that picks a backend for a device.
 
 Every backend is a module exposing four functions with the signatures of `kernels.reference`
 (the oracle; always available, any device):
@@ -16,6 +16,13 @@ serve the device, get_kv_kernels raises instead of silently running something el
 Plugging in a fast backend: add the module (e.g. kernels/triton_kv.py) with the four functions,
 make tests compare it against kernels.reference on the device; the entry below already points there.
 Until the module exists its predicate is false (find_spec), so nothing changes.
+
+Attention kernels are a second family with the same rules: `get_attention_kernels(device)`,
+`MOORAGE_ATTN_KERNELS=reference|cpu|triton` forces one. Every backend exposes the two functions of
+`kernels.attention_reference` (paged_decode, paged_prefill; see its docstring). On CPU, `cpu` (a C
+kernel compiled at first use, kernels/cpu_attention.py) is picked when it builds, else `reference`.
+A GPU backend is a module kernels/triton_attention.py (or aiter_attention.py) with the two functions,
+tested against the reference on the device; the entries below point there.
 """
 
 from __future__ import annotations
@@ -96,24 +103,90 @@ def _load(b: _Backend) -> KVKernels:
     return _LOADED[b.name]
 
 
+def _select(registry: dict[str, _Backend], env_var: str, device, load: Callable):
+    dev_type = torch.device(device).type
+    forced = os.environ.get(env_var, "").strip().lower()
+    if forced:
+        b = registry.get(forced)
+        if b is None:
+            raise ValueError(f"{env_var}={forced!r}: unknown backend; known: {sorted(registry)}")
+        if not _serves(b, dev_type):
+            raise ValueError(f"{env_var}={forced!r} does not serve device type {dev_type!r}")
+        if not b.available():
+            raise ValueError(f"{env_var}={forced!r} is not available here (module {b.module} or its "
+                             f"dependency is missing, or it did not build)")
+        return load(b)
+    for b in registry.values():
+        if _serves(b, dev_type) and b.available():
+            return load(b)
+    return load(registry["reference"])
+
+
 def get_kv_kernels(device: torch.device | str = "cpu") -> KVKernels:
     """The kernels to use for tensors on `device` (honours MOORAGE_KV_KERNELS)."""
+    return _select(_REGISTRY, ENV_VAR, device, _load)
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+ATTN_ENV_VAR = "MOORAGE_ATTN_KERNELS"
+_ATTN_FUNCS = ("paged_decode", "paged_prefill")
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    name: str
+    paged_decode: Callable
+    paged_prefill: Callable
+
+
+_ATTN_REGISTRY: dict[str, _Backend] = {}
+_ATTN_LOADED: dict[str, AttentionKernels] = {}
+
+
+def register_attention_backend(name: str, module: str, device_types: tuple[str, ...] | None,
+                               available: Callable[[], bool]) -> None:
+    """Register (or replace) an attention backend; earlier registrations win auto-selection."""
+    _ATTN_REGISTRY[name] = _Backend(name, module, None if device_types is None else frozenset(device_types),
+                                    available)
+    _ATTN_LOADED.pop(name, None)
+
+
+def _cpu_attention_available() -> bool:
+    from kernels import cpu_attention  # ctypes only; builds (or finds the cached .so) once per process
+
+    return cpu_attention.available()
+
+
+register_attention_backend("aiter", "kernels.aiter_attention", ("cuda",),
+                           lambda: torch.version.hip is not None and _has("aiter")
+                           and _has("kernels.aiter_attention"))
+register_attention_backend("triton", "kernels.triton_attention", ("cuda",),
+                           lambda: _has("triton") and _has("kernels.triton_attention"))
+register_attention_backend("cpu", "kernels.cpu_attention", ("cpu",), _cpu_attention_available)
+register_attention_backend("reference", "kernels.attention_reference", None, lambda: True)
+
+
+def _load_attention(b: _Backend) -> AttentionKernels:
+    if b.name not in _ATTN_LOADED:
+        mod = importlib.import_module(b.module)
+        missing = [f for f in _ATTN_FUNCS if not callable(getattr(mod, f, None))]
+        if missing:
+            raise ImportError(f"attention backend {b.name!r} ({b.module}) lacks {missing}")
+        _ATTN_LOADED[b.name] = AttentionKernels(b.name, *(getattr(mod, f) for f in _ATTN_FUNCS))
+    return _ATTN_LOADED[b.name]
+
+
+def available_attention_backends(device: torch.device | str) -> list[str]:
     dev_type = torch.device(device).type
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
-    if forced:
-        b = _REGISTRY.get(forced)
-        if b is None:
-            raise ValueError(f"{ENV_VAR}={forced!r}: unknown backend; known: {sorted(_REGISTRY)}")
-        if not _serves(b, dev_type):
-            raise ValueError(f"{ENV_VAR}={forced!r} does not serve device type {dev_type!r}")
-        if not b.available():
-            raise ValueError(f"{ENV_VAR}={forced!r} is not available here (module {b.module} or its "
-                             f"dependency is missing)")
-        return _load(b)
-    for b in _REGISTRY.values():
-        if _serves(b, dev_type) and b.available():
-            return _load(b)
-    return _load(_REGISTRY["reference"])
+    return [b.name for b in _ATTN_REGISTRY.values() if _serves(b, dev_type) and b.available()]
 
 
-__all__ = ["ENV_VAR", "KVKernels", "available_backends", "get_kv_kernels", "register_backend"]
+def get_attention_kernels(device: torch.device | str = "cpu") -> AttentionKernels:
+    """The paged attention to use for tensors on `device` (honours MOORAGE_ATTN_KERNELS)."""
+    return _select(_ATTN_REGISTRY, ATTN_ENV_VAR, device, _load_attention)
+
+
+__all__ = ["ATTN_ENV_VAR", "ENV_VAR", "AttentionKernels", "KVKernels", "available_attention_backends",
+           "available_backends", "get_attention_kernels", "get_kv_kernels", "register_attention_backend",
+           "register_backend"]

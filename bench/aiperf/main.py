@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=900.0, help="per request, s (default %(default)s)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="for each system to report ready, s (default %(default)s)")
+    p.add_argument("--kv", choices=("default", "traces"), default="default",
+                   help="default: KV as a user's `moorage up` sizes it from memory (the headline); traces: device "
+                        "and decode KV sized from the traces, small enough that the pool matters (as the sweep)")
     p.add_argument("--aiperf-arg", action="append", default=[], metavar="ARG",
                    help="extra `aiperf profile` argument (repeatable), e.g. --aiperf-arg=--workers-max=2")
     system.add_system_args(p)
@@ -141,7 +144,11 @@ def run_matrix(args: argparse.Namespace, exe: Path, hf_home: Path, traces: str, 
             one("external", i, c, args.url.rstrip("/").removesuffix("/v1"), {"url": args.url})
         return runs
     for pool in pools:
-        sets, notes = system.system_overrides(args, "shared" if pool == "on" else "none", sessions, max(loads))
+        if args.kv == "default":  # the user's system: only the pool switch and the model
+            sets = [f"up.model={args.model}", f"up.pool={'true' if pool == 'on' else 'false'}", *args.set]
+            notes = ["KV sized by moorage up from host memory (up.kv_memory)"]
+        else:
+            sets, notes = system.system_overrides(args, "shared" if pool == "on" else "none", sessions, max(loads))
         t0 = time.monotonic()
         try:
             with system.running_system(sets, Path(args.run_dir) / f"pool-{pool}",

@@ -5,14 +5,17 @@ from the prefix cache, the store or a handoff is used exactly like one computed 
 - prefill: per-sequence segments of new tokens; each attends to its whole context with a causal mask
   aligned to the end (query i of q_len sits at position ctx_len - q_len + i).
 - decode: one new token per sequence; one batched call over block tables padded to the longest.
+The math lives in kernels/ (`get_attention_kernels`): the torch reference gathers the context and runs
+SDPA; the CPU kernel reads decode K/V in place through the block tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from kernels import AttentionKernels, get_attention_kernels
 
 
 @dataclass
@@ -21,6 +24,8 @@ class PrefillSegment:
     q_len: int            # new tokens computed this step
     ctx_len: int          # tokens of context after this step (cached + new)
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] int64
+    # scratch for attention backends, valid for one forward (all layers): e.g. the reference's mask
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -43,35 +48,11 @@ def write_kv(pages: torch.Tensor, local_layer: int, batch: AttentionBatch, k: to
     pages[batch.slot_blocks, local_layer, 1, batch.slot_offsets] = v.to(pages.dtype)
 
 
-def _read_context(pages: torch.Tensor, local_layer: int, kv: int, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., n_blocks] table -> [..., n_blocks * block_size, H, D]."""
-    x = pages[block_table, local_layer, kv]  # [..., nb, B, H, D]
-    return x.flatten(-4, -3)
-
-
 def paged_attention(q: torch.Tensor, pages: torch.Tensor, local_layer: int, batch: AttentionBatch,
-                    scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. K/V for the new tokens must already be written."""
-    dtype = q.dtype
+                    scale: float, kernels: AttentionKernels | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]. K/V for the new tokens must already be written. `kernels`: the
+    backend (kernels.get_attention_kernels(q.device) when None; the model resolves it once)."""
+    k = kernels or get_attention_kernels(q.device)
     if batch.is_decode:
-        bt, lens = batch.decode_block_tables, batch.decode_ctx_lens
-        k = _read_context(pages, local_layer, 0, bt).to(dtype).transpose(1, 2)  # [B, H, S, D]
-        v = _read_context(pages, local_layer, 1, bt).to(dtype).transpose(1, 2)
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [B, S]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                             scale=scale, enable_gqa=True)
-        return out.squeeze(2)
-    out = torch.empty_like(q)
-    for seg in batch.prefill:
-        qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = _read_context(pages, local_layer, 0, seg.block_table)[:seg.ctx_len].to(dtype).transpose(0, 1)
-        v = _read_context(pages, local_layer, 1, seg.block_table)[:seg.ctx_len].to(dtype).transpose(0, 1)
-        if seg.q_len == seg.ctx_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            first = seg.ctx_len - seg.q_len
-            qpos = torch.arange(first, seg.ctx_len, device=q.device)[:, None]
-            mask = torch.arange(seg.ctx_len, device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[seg.q_start:seg.q_start + seg.q_len] = o.transpose(0, 1)
-    return out
+        return k.paged_decode(q, pages, local_layer, batch.decode_block_tables, batch.decode_ctx_lens, scale)
+    return k.paged_prefill(q, pages, local_layer, batch.prefill, scale)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import AttentionKernels, get_attention_kernels
 from shared.engine.attention import AttentionBatch, paged_attention, write_kv
 from shared.engine.model_config import ModelConfig
 from shared.kv_layout import KVLayout
@@ -29,7 +30,14 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]; positions: [T]."""
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        return self.apply(x, *self.tables(positions))
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions`, shaped [T, 1, D]: gathered once per forward, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -37,7 +45,8 @@ class RotaryEmbedding:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attention: AttentionKernels | None = None):
         if layout.num_layers != config.num_layers or layout.num_kv_heads != config.num_kv_heads \
                 or layout.head_dim != config.head_dim:
             raise ValueError("KV layout does not match the model config")
@@ -64,6 +73,8 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device)
         self.scale = config.head_dim ** -0.5
         self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
+        # paged attention backend (MOORAGE_ATTN_KERNELS or auto); replace the attribute to switch
+        self.attention = attention or get_attention_kernels(self.device)
 
     def expected_weight_names(self) -> list[str]:
         names = ["embed_tokens", "norm"] + ([] if self.config.tie_embeddings else ["lm_head"])
@@ -79,15 +90,16 @@ class LlamaModel:
         c = self.config
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         x = self.embed[input_ids]
+        cos, sin = self.rope.tables(positions)
         for i, L in enumerate(self.layers):
             stage, local = self.layer_stage[i]
             h = rms_norm(x, L["in_norm"], c.rms_eps)
             qkv = F.linear(h, L["qkv"])
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = self.rope(q.view(-1, hq, d), positions)
-            k = self.rope(k.view(-1, hkv, d), positions)
-            write_kv(pages[stage], local, batch, k, v.view(-1, hkv, d))
-            attn = paged_attention(q, pages[stage], local, batch, self.scale)
+            # q and k heads side by side in qkv: one RoPE pass over [T, hq + hkv, d] (a strided view)
+            qk = self.rope.apply(qkv[:, :(hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+            write_kv(pages[stage], local, batch, k, qkv[:, (hq + hkv) * d:].view(-1, hkv, d))
+            attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention)
             x = x + F.linear(attn.reshape(-1, hq * d), L["o"])
             h = rms_norm(x, L["post_norm"], c.rms_eps)
             gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)

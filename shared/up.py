@@ -99,7 +99,8 @@ def split_kv(up: UpSettings, available: int) -> KVSplit:
     others = 3 + (up.groups * up.stores + (up.groups if up.pool_mode == "split" else 1) if up.pool else 0)
     reserved = stores + (decodes + prefills) * ENGINE_PROCESS_BYTES + others * OTHER_PROCESS_BYTES
     spec = parse_memory(up.kv_memory)
-    total = spec.resolve(max(0, available - reserved))
+    # a busy host (little available beyond our allowance) still gets a working system, only a smaller one
+    total = spec.resolve(max(available - reserved, available // 4))
     split = KVSplit(available, reserved, int(total * up.decode_kv_share) // decodes,
                     int(total * (1 - up.decode_kv_share)) // prefills)
     if min(split.decode_bytes, split.prefill_bytes) < MIN_KV_BYTES:

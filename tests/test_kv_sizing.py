@@ -79,8 +79,10 @@ def test_up_leaves_explicit_engine_sizes_alone():
     assert t["decode-0"].engine.kv_memory == "2GiB"
 
 
-def test_up_says_clearly_when_the_host_is_too_small():
+def test_up_on_a_busy_host_starts_smaller_and_says_clearly_when_it_cannot():
+    kv = split_kv(up_config().up, 4 * GiB)  # less than the allowance for stores and processes
+    assert kv.decode_bytes == kv.prefill_bytes == int(GiB * 0.6 * 0.5)
     with pytest.raises(ConfigError, match="too little memory for KV"):
-        split_kv(up_config().up, 4 * GiB)
+        split_kv(up_config().up, 256 << 20)
     with pytest.raises(ConfigError, match="up.kv_memory"):
         up_config("up.kv_memory=plenty")

@@ -184,6 +184,18 @@ async def test_any_other_error_marks_the_loop_dead_and_fails_its_requests(driven
 
 
 # ---- services ----------------------------------------------------------------------------------------
+def signal_failures(svc) -> asyncio.Event:
+    """Set once the service's on_failed has run (it still runs as before)."""
+    called, real = asyncio.Event(), svc.on_failed
+
+    async def on_failed(ids, message):
+        await real(ids, message)
+        called.set()
+
+    svc.loop.on_failed = on_failed
+    return called
+
+
 def prefill_service(engine: Engine) -> PrefillService:
     sender = SimpleNamespace(transport=SimpleNamespace(endpoint="local"))
     return PrefillService(_ctx("prefill"), engine, sender=sender)
@@ -196,14 +208,7 @@ async def test_prefill_fails_the_requests_of_a_failed_step_and_stays_ready(engin
         seq = engine.add_request(rid, prompt, GREEDY, prefill_only=True, retain_kv=True)
         svc.pending[rid] = Pending(SimpleNamespace(request_id=rid, prompt_ids=prompt), None, seq)
     fail_once(monkeypatch, engine.runner, "run", RuntimeError(SAMPLER_ERROR))
-    failed = asyncio.Event()
-    real_on_failed = svc.on_failed
-
-    async def on_failed(ids, message):
-        await real_on_failed(ids, message)
-        failed.set()
-
-    svc.loop.on_failed = on_failed
+    failed = signal_failures(svc)
     svc.loop.start()
     try:
         await asyncio.wait_for(failed.wait(), WAIT_S)
@@ -225,14 +230,7 @@ async def test_prefill_reports_not_ready_once_its_loop_is_dead(engine, tiny, mon
     svc.pending["r"] = Pending(SimpleNamespace(request_id="r", prompt_ids=prompt), None, seq)
     fail_once(monkeypatch, engine.scheduler, "schedule", KeyError("lost block"))
     assert svc.load_report().ready
-    died = asyncio.Event()
-    real_on_failed = svc.on_failed
-
-    async def on_failed(ids, message):
-        await real_on_failed(ids, message)
-        died.set()
-
-    svc.loop.on_failed = on_failed
+    died = signal_failures(svc)
     svc.loop.start()
     try:
         await asyncio.wait_for(died.wait(), WAIT_S)
@@ -284,14 +282,7 @@ async def test_decode_fails_the_adopted_request_and_reports_when_dead(engine, ti
                                              max_slots=2))
         assert (await zone.filled(SlotsFilled("r1", [[reply.slots[0][0], 0, len(prompt) * zone.token_bytes]]))).ok
         fail_once(monkeypatch, engine.runner, "run", RuntimeError(SAMPLER_ERROR))
-        failed = asyncio.Event()
-        real_on_failed = svc.on_failed
-
-        async def on_failed(ids, message):
-            await real_on_failed(ids, message)
-            failed.set()
-
-        svc.loop.on_failed = on_failed
+        failed = signal_failures(svc)
         params = SamplingParams(max_tokens=20, ignore_eos=True).to_dict()
         ack = await svc.on_landed(HandoffDone("r1", prompt, [5], "", params,
                                               {"device": 0, "store": 0, "computed": len(prompt)}), None)

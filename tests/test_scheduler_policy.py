@@ -126,7 +126,12 @@ def test_srpf_skips_a_prompt_that_does_not_fit_and_runs_one_that_does():
     sched.add(seq(clock, "small", [4] * 100))
     assert run_step(sched) == {"small": 100}
     assert big.status is SeqStatus.WAITING and not big.block_table  # nothing held while it waits
+    sched.finish(sched.running[0], "abort")       # small is done: 10 blocks free, big needs 16
+    clock.ns += 119 * S                           # big waited 120 s: it counts as 600 / 5 = 120 tokens
+    sched.add(seq(clock, "late", [6] * 150))      # would fit in 10 blocks, but ranks after big
+    assert sched.schedule() is None               # an old prompt that does not fit is not overtaken
     sched.bm.release(hog)
+    assert run_step(sched) == {"big": 256}
 
 
 def test_policy_validates_its_settings():

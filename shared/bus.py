@@ -20,7 +20,8 @@ from shared.messages import Message, MessageError
 from shared.tracing import extract_context, inject_headers
 
 log = get_logger("bus")
-DEFAULT_MAX_MESSAGE_BYTES = 768 * 1024  # well under NATS's 1 MiB, far under any real KV transfer
+HEADER_ROOM_BYTES = 64 * 1024  # the server's max_payload counts headers (trace context) too
+DEFAULT_MAX_MESSAGE_BYTES = (8 << 20) - HEADER_ROOM_BYTES  # under the embedded server's 8 MiB max_payload
 
 
 class PayloadTooLarge(RuntimeError):
@@ -38,7 +39,7 @@ class BusConfig:
     tls_ca: str = ""              # set to use TLS (with tls_cert/tls_key for mutual TLS)
     tls_cert: str = ""                  # client certificate (mutual TLS)
     tls_key: str = ""                   # client key (mutual TLS)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger messages fail loudly: bulk data goes via Mooncake
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger messages fail loudly (also kept under the server's max_payload): bulk data goes via Mooncake
     request_timeout_s: float = 5.0      # default timeout of a request/reply on the bus
     connect_timeout_s: float = 5.0      # initial connection timeout
 
@@ -91,17 +92,53 @@ class Subjects:
 Handler = Callable[[Message, Msg], Awaitable[Message | None]]
 
 
+def _redact(url: str) -> str:
+    """A bus URL without its credential (nats://user:password@host:port -> nats://host:port)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rsplit("@", 1)[-1] if sep else url.rsplit("@", 1)[-1]
+
+
+@dataclass
+class _ConnectionLog:
+    """One log line when the bus goes away (with the first error) and one when it is back."""
+    name: str
+    url: str
+    down: bool = False
+
+    async def on_error(self, e: Exception) -> None:
+        if not self.down:
+            self.down = True
+            log.warning("bus unreachable, retrying", client=self.name, url=self.url,
+                        error=f"{type(e).__name__}: {e}")
+
+    async def on_disconnected(self) -> None:
+        if not self.down:
+            self.down = True
+            log.warning("bus disconnected, reconnecting", client=self.name, url=self.url)
+
+    async def on_reconnected(self) -> None:
+        self.down = False
+        log.info("bus reconnected", client=self.name, url=self.url)
+
+
 @dataclass
 class Bus:
     nc: NATS
     config: BusConfig
     subjects: Subjects = field(init=False)
+    connection_log: _ConnectionLog | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.subjects = Subjects(self.config.prefix)
 
     @classmethod
     async def connect(cls, config: BusConfig, name: str, **callbacks) -> "Bus":
+        """Connected, or retrying for ever: the first connect too waits while the server (re)starts, and a
+        lost connection is retried every 0.5 s without end, subscriptions restored by the client. Each
+        outage is logged once (no traceback per try); callbacks given here replace that."""
+        watch = _ConnectionLog(name, _redact(config.url))
+        callbacks = {"error_cb": watch.on_error, "disconnected_cb": watch.on_disconnected,
+                     "reconnected_cb": watch.on_reconnected, **callbacks}
         opts: dict = dict(servers=[config.url], name=name, connect_timeout=config.connect_timeout_s,
                           max_reconnect_attempts=-1, reconnect_time_wait=0.5, **callbacks)
         if config.user:
@@ -117,13 +154,22 @@ class Bus:
             if config.tls_cert:
                 ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
             opts["tls"] = ctx
-        return cls(await nats.connect(**opts), config)
+        return cls(await nats.connect(**opts), config, watch)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The cap in force: the configured one, or less when the server takes less (its max_payload)."""
+        server = getattr(self.nc, "max_payload", None)
+        if isinstance(server, int) and server > 0:
+            return min(self.config.max_message_bytes, max(server - HEADER_ROOM_BYTES, server // 2))
+        return self.config.max_message_bytes
 
     def _pack(self, msg: Message) -> bytes:
         data = msg.encode()
-        if len(data) > self.config.max_message_bytes:
+        cap = self.max_message_bytes
+        if len(data) > cap:
             raise PayloadTooLarge(f"{msg.KIND} message of {len(data)} bytes exceeds the bus cap of "
-                                  f"{self.config.max_message_bytes}: bulk data belongs on the transfer engine")
+                                  f"{cap}: bulk data belongs on the transfer engine")
         return data
 
     async def publish(self, subject: str, msg: Message) -> None:
@@ -168,6 +214,8 @@ class Bus:
         return extract_context(raw.headers)
 
     async def close(self) -> None:
+        if self.connection_log is not None:
+            self.connection_log.down = True  # closing on purpose: no "disconnected" warning
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=2.0)

@@ -158,7 +158,26 @@ def _call(target: str, rest: list[str]) -> int:
     return getattr(importlib.import_module(module), attr)(rest)
 
 
-PASSTHROUGH = {"trace": lambda rest: _call(TRACE_TARGET, rest), "bench": _bench_main, "serve": _serve_main}
+def _trace_main(rest: list[str]) -> int:
+    """`moorage trace show|breakdown`: request traces (shared/tracecli.py); synth|validate: agent traces."""
+    from shared.tracecli import ACTIONS
+
+    if rest[:1] and rest[0] in ACTIONS:
+        return _call("shared.tracecli:main", rest)
+    if rest[:1] not in (["-h"], ["--help"]):
+        return _call(TRACE_TARGET, rest)
+    try:
+        _call(TRACE_TARGET, rest)  # the agent-trace actions' help (argparse exits)
+    except SystemExit:
+        pass
+    print("\nrequest traces (OpenTelemetry spans of served requests):\n"
+          "    show            one request's waterfall: show REQUEST_ID | show --last\n"
+          "    breakdown       p50/p90/p99 per stage across requests [--since 10m]")
+    return 0
+
+
+PASSTHROUGH = {"trace": _trace_main, "bench": _bench_main, "serve": _serve_main,
+               "deploy": lambda rest: _call("infra.deploy:main", rest)}
 
 
 def _add_passthrough(sub, name: str, help_: str) -> None:
@@ -176,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub)
     _add_passthrough(sub, "serve", f"run one service ({', '.join(SERVICES)}): what compose and systemd start")
     _add_status(sub)
-    _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one")
+    _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one; request traces: `show`, "
+                                   "`breakdown`")
+    _add_passthrough(sub, "deploy", "render a cluster's configs, systemd units and NATS routes from one inventory")
     _add_passthrough(sub, "bench", f"benchmarks against a started system: {', '.join(BENCHES)}")
     command = argv[0] if argv else None
     try:

@@ -110,6 +110,11 @@ def _apply(obj: Any, data: Mapping[str, Any], where: str) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
+def apply_dict(obj: Any, data: Mapping[str, Any], where: str = "") -> Any:
+    """A copy of config `obj` with the nested keys of `data` set (validated as a file's would be)."""
+    return _apply(obj, data, where)
+
+
 def _nest(path: Sequence[str], value: Any) -> dict:
     out: dict = {}
     cur = out

@@ -47,6 +47,7 @@ def reference() -> str:
     from services.router.config import RouterSettings
     from shared.bus import BusConfig
     from shared.engine.engine import EngineConfig
+    from shared.ops_http import HttpSettings
     from shared.service import LogConfig
     from shared.tracing import TracingConfig
     from shared.transfer import TransferConfig
@@ -60,6 +61,7 @@ def reference() -> str:
     ]
     sections = [
         ("Common to every service: `[bus]`", BusConfig, "bus."),
+        ("Common: `[http]` (the service's `GET /health` and `GET /metrics`)", HttpSettings, "http."),
         ("Common: `[tracing]`", TracingConfig, "tracing."),
         ("Common: `[log]`", LogConfig, "log."),
         ("Router: `[router]`", RouterSettings, "router."),

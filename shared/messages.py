@@ -3,6 +3,10 @@
 Decoding tolerates unknown fields (a newer sender may add some) and rejects a wrong kind, a newer major
 version, a missing required field or a field of the wrong primitive type with a clear MessageError.
 KV bytes never travel here: see shared/bus.py for the size guard.
+
+Token id lists (fields typed `TokenIds`) travel packed: one msgpack bin of little-endian uint32, 4 bytes
+per id whatever the vocabulary (a whole 1M-token context is 4 MB), decoded back to a list of ints. A
+plain list is still accepted on decode (older senders).
 """
 
 from __future__ import annotations
@@ -11,15 +15,42 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgpack
+import numpy as np
 
 SCHEMA_VERSION = 1
 
 
 class MessageError(ValueError):
     pass
+
+
+_PACKED = "uint32-le"
+TokenIds = Annotated[list[int], _PACKED]  # a list of token ids, packed on the wire
+
+
+def pack_token_ids(ids) -> bytes:
+    """Little-endian uint32 bytes; an id outside [0, 2**32) is a MessageError, never a wrapped value."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= 1 << 32:
+        raise MessageError("token ids must be integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def unpack_token_ids(raw: bytes) -> list[int]:
+    if len(raw) % 4:
+        raise MessageError(f"packed token ids: {len(raw)} bytes is not a multiple of 4")
+    return np.frombuffer(raw, dtype="<u4").tolist()
+
+
+def _packed_fields(cls) -> frozenset[str]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return frozenset(name for name, tp in hints.items()
+                     if typing.get_origin(tp) is Annotated and _PACKED in tp.__metadata__)
 
 
 _PRIMITIVES = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,),
@@ -47,12 +78,16 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> None:
 
 class Message:
     KIND: ClassVar[str]
+    PACKED: ClassVar[frozenset[str]] = frozenset()  # TokenIds fields (set by @message)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def encode(self) -> bytes:
-        return msgpack.packb({"v": SCHEMA_VERSION, "kind": self.KIND, **self.to_dict()}, use_bin_type=True)
+        data = self.to_dict()
+        for name in self.PACKED:
+            data[name] = pack_token_ids(data[name])
+        return msgpack.packb({"v": SCHEMA_VERSION, "kind": self.KIND, **data}, use_bin_type=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Message":
@@ -60,8 +95,11 @@ class Message:
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name in data:
-                _check_type(cls.__name__, f.name, data[f.name], hints[f.name])
-                kwargs[f.name] = data[f.name]
+                value = data[f.name]
+                if f.name in cls.PACKED and isinstance(value, bytes):
+                    value = unpack_token_ids(value)
+                _check_type(cls.__name__, f.name, value, hints[f.name])
+                kwargs[f.name] = value
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{cls.__name__}: missing required field {f.name!r}")
         return cls(**kwargs)
@@ -87,6 +125,7 @@ def message(kind: str):
     def wrap(cls):
         cls = dataclass(cls)
         cls.KIND = kind
+        cls.PACKED = _packed_fields(cls)
         KINDS[kind] = cls
         return cls
     return wrap
@@ -102,6 +141,8 @@ class AdmitRequest(Message):
     prompt_tokens: int
     max_tokens: int
     decode_instance: str | None = None  # None: the gate picks the decode with the least committed KV
+    router_boot: str = ""  # the admitting router process (its load reports' detail["boot"]): when that router
+    #                        instance reports another boot (it was restarted), the gate drops what this one held
 
 
 @message("admit_reply")
@@ -125,10 +166,11 @@ class Release(Message):
 @message("prefill_submit")
 class PrefillSubmit(Message):
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     sampling: dict  # SamplingParams fields
     decode_instance: str
     session_id: str | None = None
+    tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
 
 
 @message("ack")
@@ -168,8 +210,8 @@ class SlotsFilled(Message):
 class HandoffDone(Message):
     """All KV landed: decode adopts the request and continues generating."""
     request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: TokenIds
+    output_ids: TokenIds
     shown_text: str
     sampling: dict
     token_sources: dict                                # {"device": n, "store": n, "computed": n}
@@ -180,7 +222,7 @@ class HandoffDone(Message):
 @message("tokens")
 class TokenChunk(Message):
     request_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     text: str
     finished: bool = False
     finish_reason: str | None = None

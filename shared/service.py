@@ -22,6 +22,8 @@ from shared.bus import Bus, BusConfig
 from shared.config import ConfigError, describe, load_config
 from shared.logging import get_logger, setup_logging
 from shared.messages import LoadReport
+from shared.ops_http import HttpSettings, OpsEndpoint
+from shared.sdnotify import notify
 from shared.tracing import TracingConfig, setup_tracing, shutdown_tracing
 
 
@@ -37,6 +39,7 @@ class ServiceConfig:
     instance: str = "service-0"       # this instance's name on the bus
     load_interval_s: float = 1.0      # how often it publishes its load report
     bus: BusConfig = field(default_factory=BusConfig)
+    http: HttpSettings = field(default_factory=HttpSettings)  # this service's /health and /metrics
     tracing: TracingConfig = field(default_factory=TracingConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -50,6 +53,8 @@ class ServiceContext:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     load_report: Callable[[], LoadReport] | None = None  # published every load_interval_s
+    serving: bool = False  # serve() returned and no stop yet: what /health says with the load report
+    http_url: str = ""     # where /health and /metrics answer ("" when http.port is -1)
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -66,6 +71,18 @@ async def _report_load(ctx: ServiceContext, interval: float) -> None:
             await asyncio.wait_for(ctx.stop.wait(), timeout=interval)
 
 
+def _health(ctx: ServiceContext) -> tuple[bool, str]:
+    """Ready when serve() has returned, no stop has begun, and the service's own report says ready."""
+    if not ctx.serving:
+        return False, "stopping" if ctx.stop.is_set() else "starting"
+    if ctx.load_report is None:
+        return True, ""
+    report = ctx.load_report()
+    if report.ready:
+        return True, ""
+    return False, str((report.detail or {}).get("unhealthy") or "not ready")
+
+
 async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitable[None]]) -> int:
     instance = config.instance
     setup_logging(role, instance, config.log.level, config.log.json)
@@ -77,13 +94,19 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stop.set)
     reporter = None
+    ops = OpsEndpoint(role, instance, lambda: _health(ctx), lambda: ctx.load_report() if ctx.load_report else None)
     try:
+        ctx.http_url = await ops.start(config.http)  # answers 503 until serve() returns
         await serve(ctx)
+        ctx.serving = True
         reporter = asyncio.create_task(_report_load(ctx, getattr(config, "load_interval_s", 1.0)))
-        log.info("ready", role=role, instance=instance, nats=config.bus.url)
+        log.info("ready", role=role, instance=instance, nats=config.bus.url, http=ctx.http_url or None)
+        notify("READY=1")
         await ctx.stop.wait()
         log.info("stopping")
     finally:
+        ctx.serving = False
+        notify("STOPPING=1")
         for hook in reversed(ctx.on_stop):
             with contextlib.suppress(Exception):
                 await hook()
@@ -95,6 +118,7 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
                 report.ready = False
                 await bus.publish(bus.subjects.load(role, instance), report)
         await bus.close()
+        await ops.stop()
         shutdown_tracing()
         log.info("stopped")
     return 0

@@ -1,4 +1,6 @@
-"""`moorage status`: every service's health and load, as they report it on the bus."""
+"""`moorage status`: every service's health and load, as they report it on the bus, and how often
+`moorage up` restarted each. Never hangs: an unreachable or refusing bus is one line and exit 1 within a
+few seconds. The bus credential of the embedded server is read from the run directory."""
 
 from __future__ import annotations
 
@@ -12,20 +14,28 @@ from pathlib import Path
 
 from shared.bus import Bus, BusConfig
 from shared.messages import LoadReport
+from shared.natsd import CREDENTIAL_FILE, NatsCredential
+from shared.runstate import STATE_FILE, read_state, recorded_processes
 
-STATE_FILE = "up.json"  # shared.up.STATE_FILE (not imported: status must not pull in every service's config)
+
+class BusUnreachable(RuntimeError):
+    """The bus did not take our connection in time; the message says why, in one line."""
 
 
 async def collect_reports(nats_url: str, prefix: str = "moorage", seconds: float = 1.5,
-                          connect_timeout_s: float = 3.0) -> dict:
-    async def quiet(e: Exception) -> None:  # the bus client would print a traceback per failed try
-        pass
+                          connect_timeout_s: float = 3.0, credential: NatsCredential | None = None) -> dict:
+    last: list[Exception] = []
 
-    # bounded: the bus client retries a refused first connect for as long as it is let
-    bus = await asyncio.wait_for(
-        Bus.connect(BusConfig(url=nats_url, prefix=prefix, connect_timeout_s=connect_timeout_s), "moorage-status",
-                    error_cb=quiet),
-        connect_timeout_s)
+    async def quiet(e: Exception) -> None:  # the bus client would print a traceback per failed try
+        last[:] = [e]
+
+    auth = {"user": credential.user, "password": credential.password} if credential else {}
+    config = BusConfig(url=nats_url, prefix=prefix, connect_timeout_s=connect_timeout_s, **auth)
+    try:  # bounded: the bus client retries a refused first connect for as long as it is let
+        bus = await asyncio.wait_for(Bus.connect(config, "moorage-status", error_cb=quiet), connect_timeout_s)
+    except asyncio.TimeoutError:
+        why = f"{type(last[0]).__name__}: {last[0]}" if last else f"no answer in {connect_timeout_s:g} s"
+        raise BusUnreachable(why) from None
     reports: dict[tuple[str, str], tuple[LoadReport, float]] = {}
 
     async def on_load(msg: LoadReport, raw) -> None:
@@ -63,24 +73,17 @@ def _detail(r: LoadReport) -> str:
     return ""
 
 
-def format_table(reports: dict) -> str:
-    rows = [("ROLE", "INSTANCE", "READY", "KV CAPACITY", "KV FREE", "RUNNING", "WAITING", "QUEUED TOK", "DETAIL")]
+def format_table(reports: dict, restarts: dict[str, int] | None = None) -> str:
+    restarts = restarts or {}
+    rows = [("ROLE", "INSTANCE", "READY", "KV CAPACITY", "KV FREE", "RUNNING", "WAITING", "QUEUED TOK", "RESTARTS",
+             "DETAIL")]
     order = {"router": 0, "gate": 1, "prefill": 2, "decode": 3, "master": 4, "store": 5}
     for (role, inst), (r, _) in sorted(reports.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
         rows.append((role, inst, "yes" if r.ready else "no", str(r.capacity_tokens), str(r.free_tokens),
-                     str(r.running), str(r.waiting), str(r.queued_tokens), _detail(r)))
+                     str(r.running), str(r.waiting), str(r.queued_tokens), str(restarts.get(inst, "-")),
+                     _detail(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, someone else's
-        return True
-    return True
 
 
 def _refused(nats_url: str) -> str:
@@ -115,13 +118,22 @@ def find_system(run_dir: str | os.PathLike) -> tuple[dict | None, str]:
         state = json.loads(state_file.read_text())
     except (OSError, ValueError) as e:
         return None, f"no system found in {run}: {state_file} is unreadable ({e})"
-    pids = [p for p in (state.get("pids") or {}).values() if isinstance(p, int)]
-    if pids and not any(_alive(p) for p in pids):
-        return None, (f"no system running in {run}: none of the {len(pids)} processes recorded in {state_file} "
+    procs = recorded_processes(state)
+    if (state.get("pids") or state.get("procs")) and not any(p.alive() for p in procs.values()):
+        return None, (f"no system running in {run}: none of the processes recorded in {state_file} "
                       f"is alive (a `moorage up` that did not stop cleanly; the file is stale)")
     if not state.get("nats_url"):
         return None, f"no system found in {run}: {state_file} names no bus (nats_url); pass --nats-url"
     return state, ""
+
+
+def _restarts_line(state: dict) -> str:
+    """"restarts: store-0 1 (last: killed by SIGKILL), nats-server 0, ..." from the launcher's state."""
+    restarts, last = state.get("restarts") or {}, state.get("last_exit") or {}
+    if not restarts:
+        return ""
+    return "restarts: " + ", ".join(f"{n} {k}" + (f" (last: {last[n]})" if k and last.get(n) else "")
+                                    for n, k in restarts.items())
 
 
 def run_status(nats_url: str | None, run_dir: str, prefix: str) -> int:
@@ -131,19 +143,24 @@ def run_status(nats_url: str | None, run_dir: str, prefix: str) -> int:
         if found is None:
             return _fail(why)
         state = found
+    else:
+        state = read_state(Path(run_dir)) or {}
     url = nats_url or state["nats_url"]
+    credential = NatsCredential.load(Path(run_dir) / (state.get("credential_file") or CREDENTIAL_FILE))
     refused = _refused(url)
     if refused:
-        return _fail(f"cannot reach the bus at {url} ({refused})"
-                     + ("" if nats_url else f"; is the system in {run_dir} still starting or stopping?"))
+        return _fail(f"NATS is unreachable: cannot reach the bus at {url} ({refused})"
+                     + ("" if nats_url else f"; is the system in {run_dir} restarting, starting or stopping?"))
     try:
-        reports = asyncio.run(collect_reports(url, prefix))
-    except Exception as e:  # connection refused, timeout, auth: the bus is not there
-        return _fail(f"cannot reach the bus at {url} ({type(e).__name__}: {e})")
-    print(f"bus: {url}")
+        reports = asyncio.run(collect_reports(url, prefix, credential=credential))
+    except Exception as e:  # timeout, auth, protocol: the bus does not take us
+        return _fail(f"NATS is unreachable: cannot reach the bus at {url} ({type(e).__name__}: {e})")
+    print(f"bus: {url}" + ("  (user/password from the run directory)" if credential else ""))
     if state.get("router_url"):
         print(f"router: {state['router_url']}/v1  health: {router_health(state['router_url'])}")
+    if line := _restarts_line(state):
+        print(line)
     if not reports:
         return _fail(f"no service reported on the bus at {url} in 1.5 s")
-    print(format_table(reports))
+    print(format_table(reports, state.get("restarts") or {}))
     return 0 if all(r.ready for r, _ in reports.values()) else 1

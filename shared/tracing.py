@@ -8,7 +8,10 @@ still records once setup runs, and stops (no-op) after `shutdown_tracing()`. The
 set, once, to a delegating provider too, so `opentelemetry.trace.get_tracer` works the same way.
 
 Exporters: "jsonl" (one JSON object per span appended to a file, several processes may share it),
-"otlp-grpc", "otlp-http", or "none" (spans still get ids and propagate, nothing is exported).
+"otlp-grpc", "otlp-http", or "none" (spans still get ids and propagate, nothing is exported); several at
+once as a comma list, e.g. "jsonl,otlp-http" (what `moorage up --set up.trace_ui=phoenix` sets: the file for
+`moorage trace`, OTLP for the UI). Any OTLP endpoint works: a collector, Jaeger or Phoenix, on gRPC (4317)
+or HTTP (4318, or Phoenix's own port; a bare address gets /v1/traces).
 """
 
 from __future__ import annotations
@@ -23,21 +26,35 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 EXPORTERS = ("jsonl", "otlp-grpc", "otlp-http", "none")
+PROJECT = "moorage"  # resource openinference.project.name: the project Phoenix files the spans under
 
 
 @dataclass
 class TracingConfig:
-    exporter: str = "jsonl"  # jsonl | otlp-grpc | otlp-http | none
+    exporter: str = "jsonl"  # jsonl | otlp-grpc | otlp-http | none, or a comma list of them (jsonl,otlp-http)
     endpoint: str = ""  # OTLP: http://127.0.0.1:4317 (grpc) or http://127.0.0.1:4318/v1/traces (http)
     path: str = "moorage-traces.jsonl"  # the jsonl exporter's file (several services may share it)
     headers: dict[str, str] = field(default_factory=dict)  # OTLP auth
     sample_ratio: float = 1.0  # share of new traces recorded (children follow their parent)
+
+    def __post_init__(self) -> None:
+        names = self.exporters
+        bad = [n for n in names if n not in EXPORTERS]
+        if bad or not names or ("none" in names and len(names) > 1):
+            raise ValueError(f"unknown trace exporter {self.exporter!r}: expected one of {', '.join(EXPORTERS)} "
+                             f"or a comma list of them (without none)")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in [0, 1], got {self.sample_ratio}")
+
+    @property
+    def exporters(self) -> list[str]:
+        return [n.strip() for n in self.exporter.split(",") if n.strip()]
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -158,38 +175,51 @@ def current_provider() -> TracerProvider | None:
     return _provider
 
 
-def _make_exporter(config: TracingConfig) -> SpanExporter | None:
-    if config.exporter == "none":
+def _make_exporter(name: str, config: TracingConfig) -> SpanExporter | None:
+    if name == "none":
         return None
-    if config.exporter == "jsonl":
+    if name == "jsonl":
         return JsonLinesSpanExporter(config.path)
-    if config.exporter == "otlp-grpc":
+    if name == "otlp-grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
         headers = {k.lower(): v for k, v in config.headers.items()} or None  # grpc metadata: lowercase
         return Grpc(endpoint=config.endpoint or None, headers=headers)
-    if config.exporter == "otlp-http":
+    if name == "otlp-http":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
         endpoint = config.endpoint or None
         if endpoint and urlsplit(endpoint).path in ("", "/"):
             endpoint = endpoint.rstrip("/") + "/v1/traces"  # a bare collector address
         return Http(endpoint=endpoint, headers=dict(config.headers) or None)
-    raise ValueError(f"unknown trace exporter {config.exporter!r}: expected one of {', '.join(EXPORTERS)}")
+    raise ValueError(f"unknown trace exporter {name!r}: expected one of {', '.join(EXPORTERS)}")
+
+
+class _ServiceAttributes(SpanProcessor):
+    """Copies the service name and instance onto every span, for OTLP UIs that keep span attributes
+    but not the resource (Phoenix): two attribute writes per span, only when an OTLP exporter is on."""
+
+    def __init__(self, service_name: str, instance: str):
+        self._attrs = {"service.name": service_name, "service.instance.id": instance}
+
+    def on_start(self, span, parent_context=None) -> None:
+        span.set_attributes(self._attrs)
 
 
 def setup_tracing(service_name: str, instance: str, config: TracingConfig | None = None) -> TracerProvider:
     """Install a fresh provider (flushing and shutting down any previous one) and return it."""
     config = config or TracingConfig()
-    if not 0.0 <= config.sample_ratio <= 1.0:
-        raise ValueError(f"sample_ratio must be in [0, 1], got {config.sample_ratio}")
-    exporter = _make_exporter(config)  # validates the name before anything is torn down
+    exporters = [_make_exporter(n, config) for n in config.exporters]  # built before anything is torn down
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.instance.id": instance}),
+        resource=Resource.create({"service.name": service_name, "service.instance.id": instance,
+                                  "openinference.project.name": PROJECT}),
         sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
     )
-    if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+    if any(n.startswith("otlp") for n in config.exporters):
+        provider.add_span_processor(_ServiceAttributes(service_name, instance))
+    for exporter in exporters:
+        if exporter is not None:
+            provider.add_span_processor(BatchSpanProcessor(exporter))
     global _provider
     with _setup_lock:
         old, _provider = _provider, provider

@@ -2,10 +2,13 @@
 
 Starts a nats-server (unless `up.nats_url` names one), then the KV pool (a master supervising
 `mooncake_master` and `up.stores` store services, "the two halves of the host"), the gate, decode,
-`up.prefills` prefill instances and the router, each `python -m services.<name> --config
-<run_dir>/<instance>.toml`, so compose and systemd run the very same code with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
-(or when any service dies) stops everything in reverse order. Children get PDEATHSIG, so none
-outlives a killed launcher.
+`up.prefills` prefill instances and the router, each `moorage serve <role> --config
+<run_dir>/<instance>.toml`: the one entry point compose and systemd use too, with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
+stops everything in reverse order. Once ready, a service (or the nats-server) that crashes is restarted
+with backoff while the others keep serving (`up.restart`, like systemd's Restart=on-failure). Children
+get PDEATHSIG, so none outlives a killed launcher, and the next start cleans up what such a launcher left
+in the run directory. The embedded nats-server requires a user/password made for this run
+(`nats-credential.json` in the run directory, mode 0600, as are the per-instance TOMLs holding it).
 
 Config keys: `up.*` below, plus every key of every service under its name, e.g.
 `--set prefill.engine.num_blocks=4096 --set router.router.port=8080`.
@@ -14,12 +17,13 @@ Config keys: `up.*` below, plus every key of every service under its name, e.g.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,12 +38,16 @@ from services.router.config import RouterConfig
 from services.store.config import StoreConfig
 from shared.config import ConfigError
 from shared.engine.kv_sizing import format_bytes, host_available_bytes, parse_memory
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
+from shared.procs import ProcId, die_with_parent
+from shared.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
+from shared.supervise import RestartPolicy, Supervisor
 from shared.tomlgen import to_toml
 
+CLI_MODULE = "shared.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` with this interpreter
 READY_ROLES = ("gate", "prefill", "decode")  # the roles the router's /health lists by instance
 
-STATE_FILE = "up.json"
+NATS_CHILD = "nats-server"  # the embedded bus, supervised like the services
 
 
 @dataclass
@@ -58,6 +66,12 @@ class UpSettings:
     prefills: int = 1                 # prefill instances per group
     kv_memory: str = "60%"            # KV of all prefill + decode instances: a share of the host memory left after stores and processes, or a size ("8GiB")
     decode_kv_share: float = 0.5      # of that, the decode instances' part (the rest is the prefills' device prefix cache)
+    nats_auth: bool = True            # embedded nats-server: require a user/password made for this run (0600 in run_dir)
+    restart: str = "on-failure"       # on-failure: restart a service or nats-server that crashed (others keep serving) | no
+    restart_backoff_s: float = 0.5    # first restart delay; doubles per consecutive crash
+    restart_backoff_max_s: float = 10.0  # cap of the restart delay
+    restart_reset_s: float = 30.0     # a run that lasted this long resets the delay
+    trace_ui: str = ""                # phoenix: start Arize Phoenix (the [ui] extra, else .venv-phoenix) and send every service's spans there too | "" (none)
 
     def __post_init__(self) -> None:
         if self.pool_mode not in ("shared", "split"):
@@ -70,6 +84,12 @@ class UpSettings:
             parse_memory(self.kv_memory)
         except ValueError as e:
             raise ConfigError(f"up.kv_memory: {e}") from None
+        if self.trace_ui not in ("", "phoenix"):
+            raise ConfigError(f"up.trace_ui must be phoenix or empty, got {self.trace_ui!r}")
+        try:
+            RestartPolicy(self.restart, self.restart_backoff_s, self.restart_backoff_max_s, self.restart_reset_s)
+        except ConfigError as e:
+            raise ConfigError(f"up.{e}") from None
 
 
 # What one process takes besides its KV, set aside before the host is split (measured with SmolLM2 in
@@ -137,16 +157,19 @@ def _sized_by_up(engine) -> bool:
     return engine.num_blocks == 0 and engine.kv_memory == "auto"
 
 
-def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None) -> list[tuple[str, str, object]]:
+def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
+         credential: NatsCredential | None = None) -> list[tuple[str, str, object]]:
     """(instance, service module, config) in start order; stop order is the reverse. Engines whose KV is
-    left to "auto" get their part of `kv` (the host's split; measured now when not given)."""
+    left to "auto" get their part of `kv` (the host's split; measured now when not given). Every service
+    gets `credential` (the embedded bus's) as its bus user/password."""
     up = cfg.up
     if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
         kv = split_kv(up, host_available_bytes())
 
     def engine(sc, part: int) -> dict:
         return {"model": up.model, **({"kv_memory": str(part)} if _sized_by_up(sc.engine) else {})}
-    common = {"bus": {"url": nats_url}}
+    common = {"bus": {"url": nats_url, **({"user": credential.user, "password": credential.password}
+                                          if credential else {})}}
     traces = str(run_dir / "traces.jsonl")
     out: list[tuple[str, str, object]] = []
 
@@ -180,84 +203,131 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None)
     return out
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Launcher:
-    def __init__(self, cfg: UpConfig):
+    """Starts, supervises (restart on failure, see shared/supervise.py) and stops one system. Every
+    process is spawned by the supervisor's thread, which lives until `stop()`: children get
+    PR_SET_PDEATHSIG from it, so a launcher killed with kill -9 takes all of them along."""
+
+    def __init__(self, cfg: UpConfig, say=None):
         self.cfg = cfg
-        self.run_dir = Path(cfg.up.run_dir).resolve()
-        self.procs: dict[str, subprocess.Popen] = {}  # instance -> process, in start order
+        up = cfg.up
+        self.run_dir = Path(up.run_dir).resolve()
         self.configs: dict[str, object] = {}          # instance -> the config it was started with
         self.nats: NatsServer | None = None
+        self.credential: NatsCredential | None = None
         self.kv: KVSplit | None = None
-        self._stopping = False
+        self.nats_address = ""
+        self.router_url = ""
+        self.trace_ui = None  # shared.trace_ui.Phoenix when up.trace_ui is set
+        self.started = time.time()
+        self._owns_run_dir = False  # set once clean_stale found no other live launcher there
+        self._say = say or (lambda line: print(f"moorage: {line}", flush=True))
+        self.supervisor = Supervisor(
+            RestartPolicy(up.restart, up.restart_backoff_s, up.restart_backoff_max_s, up.restart_reset_s),
+            say=self._event, on_change=lambda _: self._write_state())
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """instance -> its current process, in start order (nats-server not included)."""
+        return {n: c.process for n, c in self.supervisor.children.items() if n != NATS_CHILD and c.process}
+
+    def _event(self, line: str) -> None:
+        self._say(line)
+        with open(self.run_dir / "up.log", "a") as f:  # the launcher's own log: starts, exits, restarts
+            f.write(json.dumps({"timestamp": time.time(), "event": line}) + "\n")
+
+    def _write_state(self) -> None:
+        children = self.supervisor.children
+        procs = {n: ProcId.of(c.process.pid) for n, c in children.items() if c.process and c.process.poll() is None}
+        write_state(self.run_dir, {
+            "nats_url": self.nats_address, "router_url": self.router_url, "run_dir": str(self.run_dir),
+            "credential_file": CREDENTIAL_FILE if self.credential else "", "started": self.started,
+            "launcher": ProcId.of(os.getpid()).to_json(),
+            "pids": {n: p.pid for n, p in procs.items() if p},
+            "procs": {n: p.to_json() for n, p in procs.items() if p},
+            "restarts": {n: c.restarts for n, c in children.items()},
+            "last_exit": {n: c.last_exit for n, c in children.items() if c.last_exit}})
+
+    def _start_nats(self) -> str:
+        if not self.cfg.up.nats_auth:
+            self.credential = None
+        else:
+            self.credential = NatsCredential.generate()
+            self.credential.save(self.run_dir / CREDENTIAL_FILE)
+        self.nats = NatsServer(str(self.run_dir / NATS_DIR), credential=self.credential,
+                               log_path=str(self.run_dir / "nats.log"), die_with_parent=True)
+        self.supervisor.add(NATS_CHILD, self.nats.spawn)
+        return self.nats.wait_port()
+
+    def _spawner(self, service: str, path: Path):
+        def spawn() -> subprocess.Popen:
+            with open(self.run_dir / f"{path.stem}.log", "ab") as log:
+                return subprocess.Popen([sys.executable, "-m", CLI_MODULE, "serve", service, "--config", str(path)],
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=die_with_parent())
+        return spawn
 
     def start(self) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        nats_url = self.cfg.up.nats_url
-        if not nats_url:
-            self.nats = start_nats_server(log_path=str(self.run_dir / "nats.log"))
-            nats_url = self.nats.url
+        for line in clean_stale(self.run_dir):
+            self._say(line)
+        self._owns_run_dir = True
+        self.router_url = f"http://{self.cfg.up.host}:{self.cfg.up.port}"
+        self.nats_address = self.cfg.up.nats_url or self._start_nats()
         if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
             self.kv = split_kv(self.cfg.up, host_available_bytes())
-        for instance, service, config in plan(self.cfg, nats_url, self.run_dir, self.kv):
+        if self.cfg.up.trace_ui:  # before the services: they export to it from their first span
+            from shared.trace_ui import export_to, start_trace_ui
+            self.trace_ui = start_trace_ui(self.cfg.up.trace_ui, self.run_dir, self._say)
+            self.cfg = export_to(self.cfg, self.trace_ui.url, self.run_dir / "traces.jsonl")
+        for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential):
             self.configs[instance] = config
             path = self.run_dir / f"{instance}.toml"
-            path.write_text(to_toml(config))
-            log = open(self.run_dir / f"{instance}.log", "ab")
-            self.procs[instance] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{service}", "--config", str(path)],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        url = f"http://{self.cfg.up.host}:{self.cfg.up.port}"
-        state = {"nats_url": nats_url, "router_url": url, "pids": {n: p.pid for n, p in self.procs.items()},
-                 "run_dir": str(self.run_dir), "started": time.time()}
-        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=1))
-        return url
+            write_private(path, to_toml(config))  # may hold the bus credential: 0600
+            self.supervisor.add(instance, self._spawner(service, path))
+        return self.router_url
 
     def dead(self) -> list[str]:
+        """Instances whose process is not running now (crashed and not yet restarted, or stopped)."""
         return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def restarts(self) -> dict[str, int]:
+        return {n: c.restarts for n, c in self.supervisor.children.items()}
 
     def wait_ready(self, url: str) -> dict:
         """Until the router's /health lists every gate, prefill and decode started here as ready: a
-        request sent earlier would be routed as if the missing instances did not exist. Returns /health."""
+        request sent earlier would be routed as if the missing instances did not exist. Returns /health.
+        A process that exits meanwhile fails the start; once this returns, crashes are restarted."""
         deadline = time.monotonic() + self.cfg.up.ready_timeout_s
         expected = {name for name in self.procs if name.rsplit("-", 1)[0] in READY_ROLES}
         missing = expected
-        while time.monotonic() < deadline and not self._stopping:
-            if self.dead():
-                raise RuntimeError(f"{', '.join(self.dead())} exited during start-up; see {self.run_dir}/*.log")
+        while time.monotonic() < deadline:
+            if self.supervisor.failed:
+                raise RuntimeError(f"{', '.join(self.supervisor.failed)} exited during start-up; see "
+                                   f"{self.run_dir}/*.log")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     health = json.loads(r.read())
                     ready = health.get("ready", {})
                     missing = expected - {i for instances in ready.values() for i in instances}
                     if r.status == 200 and not missing:
+                        self.supervisor.arm()
                         return health
             except (OSError, ValueError):
                 pass
-            time.sleep(0.3)
+            self.supervisor.failed_event.wait(0.3)  # wakes at once if a process exits
         raise TimeoutError(f"not ready after {self.cfg.up.ready_timeout_s:.0f} s (not reported ready: "
                            f"{', '.join(sorted(missing)) or '-'}); see {self.run_dir}/*.log")
 
     def stop(self, timeout: float = 15.0) -> None:
-        self._stopping = True
-        for name in reversed(list(self.procs)):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        self.supervisor.stop(timeout)
+        if self.trace_ui is not None:  # after the services: their last spans are flushed to it
+            self.trace_ui.stop()
         if self.nats is not None:
             self.nats.stop()
-        with_state = self.run_dir / STATE_FILE
-        if with_state.exists():
-            with_state.unlink()
+        if self._owns_run_dir:  # never another launcher's (one that refused to start next to it)
+            (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+            (self.run_dir / CREDENTIAL_FILE).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -272,13 +342,30 @@ def launched(cfg: UpConfig) -> Iterator[tuple[Launcher, str]]:
         launcher.stop()
 
 
+def _wait_for_signal() -> None:
+    """Block until SIGTERM/SIGINT, whichever thread the kernel delivers it to: Python's C handler writes
+    every signal to the wakeup fd, so this read returns and the handler (which raises) runs here. A plain
+    Event.wait() would sleep through a signal delivered to the supervisor's threads."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    try:
+        while True:
+            os.read(r, 1)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+
+
 def run_up(cfg: UpConfig) -> int:
     launcher = Launcher(cfg)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background launcher inherits it ignored
+        signal.signal(sig, on_signal)
     code = 0
     try:
         url = launcher.start()
@@ -292,17 +379,18 @@ def run_up(cfg: UpConfig) -> int:
             print("moorage: KV tokens per instance: " + ", ".join(f"{i} {n:,}" for i, n in sorted(tokens.items())),
                   flush=True)
         print(f"moorage is ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)", flush=True)
-        while not launcher.dead():
-            time.sleep(0.5)
-        print(f"moorage: {', '.join(launcher.dead())} exited unexpectedly; stopping", file=sys.stderr)
-        code = 1
+        if launcher.trace_ui is not None:
+            print(f"moorage traces: {launcher.trace_ui.url}  (Phoenix; `moorage trace breakdown` in the terminal)",
+                  flush=True)
+        _wait_for_signal()  # the supervisor thread does the rest
     except KeyboardInterrupt:
         print("moorage: stopping", flush=True)
     except (RuntimeError, TimeoutError) as e:
         print(f"moorage: {e}", file=sys.stderr)
         code = 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
     print("moorage: stopped", flush=True)
     return code

@@ -108,8 +108,8 @@ async def test_queue_group_delivers_once(bus, other):
     assert sorted(count) == [f"r{i}" for i in range(5)]
 
 
-def big_submit(n: int = 300_000) -> PrefillSubmit:
-    # ids >= 256 pack to 3 bytes each: 300k of them are ~900 KB, over the 768 KiB default cap
+def big_submit(n: int = 2_100_000) -> PrefillSubmit:
+    # ids travel packed, 4 bytes each: 2.1M of them are ~8.4 MB, over the default cap (8 MiB - 64 KiB)
     return PrefillSubmit("big", [256 + i % 30000 for i in range(n)], {"max_tokens": 1}, "decode-0")
 
 
@@ -133,7 +133,7 @@ async def test_payload_too_large_is_never_sent(bus, other):
     await asyncio.sleep(0.1)
     assert received == []
     # a message just under the cap goes through
-    small = big_submit(200_000)
+    small = big_submit(2_000_000)  # 8 MB: the embedded server's max_payload (8 MiB) takes it
     assert len(small.encode()) < DEFAULT_MAX_MESSAGE_BYTES
     assert (await bus.request(subject, small, Ack)).ok
     assert [m.request_id for m in received] == ["big"]

@@ -20,7 +20,7 @@ from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.logging import get_logger
-from shared.messages import Cancel, HandoffDone, SlotRequest, SlotsFilled
+from shared.messages import Cancel, HandoffDone, PrefillSubmit, SlotRequest, SlotsFilled
 from shared.transfer import LandingSlots
 
 NUM_BLOCKS = 32
@@ -111,7 +111,7 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
     svc = PrefillService(_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("prefill me and hand me off " * 3)
     seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
-    svc.pending["r1"] = Pending(SimpleNamespace(request_id="r1", prompt_ids=prompt), None, seq)
+    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None, seq)
     cancel = asyncio.create_task(svc.on_cancel(Cancel("r1", "client closed"), None))
     await asyncio.sleep(0)  # the abort is queued behind the step below
     outputs = engine.step()  # the step already running when the cancel came: it finishes "prefilled"
@@ -128,7 +128,7 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
 async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, tiny):
     svc = PrefillService(_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("cancel me before I run " * 3)
-    svc.pending["r1"] = p = Pending(SimpleNamespace(request_id="r1", prompt_ids=prompt), None)
+    svc.pending["r1"] = p = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None)
     svc.loop.start()
     admit = asyncio.create_task(svc._admit(p, SamplingParams(max_tokens=8)))
     await asyncio.sleep(0)  # the admission is under way (the add itself does not wait for a step)

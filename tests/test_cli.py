@@ -104,3 +104,46 @@ def test_status_says_when_the_bus_is_not_there(tmp_path, capsys):
         port = s.getsockname()[1]
     assert _main(["status", "--nats-url", f"nats://127.0.0.1:{port}", "--run-dir", str(tmp_path)]) == 1
     assert "cannot reach the bus" in capsys.readouterr().err
+
+
+def _run_status(tmp_path, nats_url: str) -> tuple[subprocess.CompletedProcess, float]:
+    import os
+    import time
+
+    from shared.procs import ProcId
+
+    me = ProcId.of(os.getpid())  # a live process, so the state is not stale
+    (tmp_path / "up.json").write_text(json.dumps({"nats_url": nats_url, "router_url": "http://127.0.0.1:9",
+                                                  "launcher": me.to_json(), "procs": {"router-0": me.to_json()}}))
+    t0 = time.monotonic()
+    r = run_cli("status", "--run-dir", str(tmp_path), timeout=60)
+    return r, time.monotonic() - t0
+
+
+def test_status_with_the_bus_down_is_one_line_not_a_hang(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the nats-server is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r, took = _run_status(tmp_path, f"nats://127.0.0.1:{port}")
+    assert r.returncode == 1 and took < 30
+    assert r.stderr.count("\n") == 1 and "NATS is unreachable" in r.stderr and "Traceback" not in r.stderr
+    # a server that takes the connection but never speaks (stopped, or not NATS): bounded as well
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        r, took = _run_status(tmp_path, f"nats://127.0.0.1:{mute.getsockname()[1]}")
+    assert r.returncode == 1 and took < 30
+    assert r.stderr.count("\n") == 1 and "NATS is unreachable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_table_shows_restarts():
+    from shared.messages import LoadReport
+    from shared.status import _restarts_line, format_table
+
+    reports = {("store", "store-0"): (LoadReport(instance="store-0", role="store", ready=True, capacity_tokens=0), 0.0)}
+    table = format_table(reports, {"store-0": 2})
+    assert "RESTARTS" in table.splitlines()[0] and table.splitlines()[1].split()[8] == "2"
+    line = _restarts_line({"restarts": {"nats-server": 1, "store-0": 0}, "last_exit": {"nats-server": "killed by SIGKILL"}})
+    assert line == "restarts: nats-server 1 (last: killed by SIGKILL), store-0 0"

@@ -50,3 +50,34 @@ async def test_a_request_is_queued_while_a_step_computes(tiny):
     assert done["turn"] == expected
     assert engine.block_manager.num_free_blocks == 64
     engine.block_manager.check_integrity()
+
+
+def test_changed_wakes_waiters_on_a_call_and_times_out_otherwise():
+    """Waiters for free blocks (the pool's restore) are woken by engine activity, not by polling."""
+    from shared.engine.models import load_model
+
+    async def main():
+        engine = Engine(load_model("tiny"), EngineConfig(model="tiny", num_blocks=64))
+
+        async def on_outputs(_outputs):
+            pass
+
+        loop = EngineLoop(engine, on_outputs)
+        loop.start()
+        try:
+            t0 = asyncio.get_running_loop().time()
+            assert await loop.changed(0.05) is False
+            assert asyncio.get_running_loop().time() - t0 >= 0.04
+            waiter = asyncio.create_task(loop.changed(30))
+            await asyncio.sleep(0)
+            await loop.call_now(lambda: None)
+            assert await asyncio.wait_for(waiter, 5) is True
+            waiter = asyncio.create_task(loop.changed(30))
+            await asyncio.sleep(0)
+            await loop.call(lambda: None)
+            assert await asyncio.wait_for(waiter, 5) is True
+            assert await loop.changed(0) is False
+        finally:
+            await loop.stop()
+
+    asyncio.run(main())

@@ -119,7 +119,8 @@ def test_wait_then_expire_with_retry_after():
     exp = g.expire(now=2.6)
     assert [r.request_id for r in exp.rejected] == ["w1"]
     r = exp.rejected[0]
-    assert r.retry_after_s == 3.0 and r.waited_s == pytest.approx(2.1) and "budget" in r.reason
+    assert r.retry_after_s == 30.0  # nothing was released: the queue is not moving, so the most
+    assert r.waited_s == pytest.approx(2.1) and "budget" in r.reason
     assert [r.request_id for r in g.expire(now=3.5).rejected] == ["w2"]
     assert g.counters["rejected"] == 2 and not g.queue
 
@@ -128,7 +129,8 @@ def test_no_decode_known_waits_then_rejects_no_instance():
     g = gate(admission_wait_s=1.0)
     assert isinstance(g.admit("a", 10, 10, now=0), Wait)
     assert g.expire(now=0.5).rejected == []
-    assert g.expire(now=1.0).rejected == [Rejected("a", NO_INSTANCE, 1.0, 1.0, unavailable=True)]
+    # Retry-After: the time a (re)started decode takes to be seen (instance_timeout_s)
+    assert g.expire(now=1.0).rejected == [Rejected("a", NO_INSTANCE, 1.0, 5.0, unavailable=True)]
 
 
 def test_decode_appearing_admits_waiting_requests():
@@ -290,3 +292,56 @@ def test_seeded_random_stress():
     assert c["admitted"] > 100 and c["rejected"] > 0 and c["invalid"] > 0 and c["released"] > 100
     assert c["admitted"] == c["released"] + c["expired"] + len(g.reservations)
     assert sum(v == "admitted" for v in answered.values()) == c["admitted"]
+
+
+# ---- Retry-After from the queue -------------------------------------------------------------------
+def test_retry_after_is_the_tokens_to_free_over_the_release_rate():
+    g = gate(budget_fraction=1.0, admission_wait_s=5.0, retry_after_s=1.0, retry_after_max_s=30.0,
+             release_window_s=60.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    for i in range(4):  # 4 x 250 fill the budget
+        assert isinstance(g.admit(f"r{i}", 200, 50, now=0), Admitted)
+    for i in range(2):  # over 20 s, 500 tokens were given back: 25 tokens/s
+        now = 10.0 * (i + 1)
+        g.report("d0", 1000, 1000, True, now=now)
+        g.release(f"r{i}", now=now)
+        assert isinstance(g.admit(f"n{i}", 200, 50, now=now), Admitted)
+    assert g.release_rate(20.0) == pytest.approx(25.0)
+    # a request of 250 behind nobody, with nothing free: 250 tokens to free at 25/s
+    assert g.retry_after(250, now=20.0) == pytest.approx(10.0)
+    assert isinstance(g.admit("w", 200, 50, now=20.0), Wait)
+    assert g.retry_after(250, now=20.0) == pytest.approx(20.0)  # behind the waiting 250: 500 to free
+    g.report("d0", 1000, 1000, True, now=25.0)
+    [r] = g.expire(now=25.0).rejected  # w waited 5 s: its estimate counts itself only (nothing ahead)
+    assert r.request_id == "w" and r.retry_after_s == pytest.approx(250 / (500 / 25.0))
+
+
+def test_retry_after_is_bounded_and_the_floor_when_it_fits():
+    g = gate(budget_fraction=1.0, retry_after_s=2.0, retry_after_max_s=30.0, release_window_s=10.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    assert g.retry_after(100, now=0) == 2.0             # fits now: the floor
+    g.admit("big", 990, 0, now=0)
+    assert g.retry_after(100, now=1) == 30.0            # nothing released yet: the queue is not moving
+    g.admit("small", 5, 0, now=1)
+    g.release("small", now=1)                           # 5 tokens in the first 1 s: 5 tokens/s
+    assert g.retry_after(100, now=1) == pytest.approx(90 / 5)  # 100 wanted, 10 free
+    g.release("big", now=1)
+    g.admit("big2", 999, 0, now=1)
+    assert g.retry_after(1000, now=1) == 2.0            # 999 to free at 995 tokens/s: ~1 s, below the floor
+    g.report("d0", 1000, 1000, True, now=20.0)
+    assert g.retry_after(100, now=20.0) == 30.0         # both releases left the 10 s window
+
+
+def test_retry_after_without_a_live_decode_is_the_instance_timeout():
+    g = gate(retry_after_s=1.0, retry_after_max_s=30.0, instance_timeout_s=5.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    g.report("d0", 1000, 1000, False, now=1)            # its goodbye
+    r = g.admit("a", 10, 10, now=2)
+    assert isinstance(r, Rejected) and r.unavailable and r.retry_after_s == 5.0
+
+
+def test_retry_after_settings_are_checked():
+    with pytest.raises(ConfigError, match="retry_after_max_s"):
+        GateSettings(retry_after_s=5.0, retry_after_max_s=2.0)
+    with pytest.raises(ConfigError, match="release_window_s"):
+        GateSettings(release_window_s=0)

@@ -135,15 +135,15 @@ async def test_admit_picks_the_decode_with_room(start_gate, connect):
 
 
 async def test_burst_beyond_budget_waits_then_is_rejected(start_gate, connect):
-    c = await connect(start_gate("gate.retry_after_s=2.5"))
+    c = await connect(start_gate("gate.retry_after_s=2.5", "gate.retry_after_max_s=7.5"))
     await c.decode("d0", 1000, 1000)
     await c.gate_state(lambda d: d["live_instances"] == 1)
     t0 = time.monotonic()
     replies = await asyncio.gather(*[c.admit(f"r{i}", 300, 100) for i in range(4)])  # budget 900: two fit
     assert sorted(r.status for r in replies) == ["admitted", "admitted", "rejected", "rejected"]
     for r in replies:
-        if r.status == "rejected":
-            assert r.retry_after_s == 2.5 and r.waited_ms >= 900 and "budget" in r.reason, r
+        if r.status == "rejected":  # nothing was released meanwhile: the queue is stuck, so the most
+            assert r.retry_after_s == 7.5 and r.waited_ms >= 900 and "budget" in r.reason, r
     assert 0.9 < time.monotonic() - t0 < 3.0
     report = await c.gate_state(lambda d: d["rejected"] == 2)
     assert report.detail["waiting"] == 0 and report.detail["reserved_tokens"] == {"d0": 800}

@@ -18,7 +18,7 @@ SAMPLES: dict[str, m.Message] = {
     "admit_reply": m.AdmitReply("r1", "rejected", decode_instance=None, reason="over budget", retry_after_s=1.5,
                                 waited_ms=30.25),
     "release": m.Release("r1", reason="finished"),
-    "prefill_submit": m.PrefillSubmit("r1", [1, 2, 3, 70000], SAMPLING, "decode-1", session_id="s-9"),
+    "prefill_submit": m.PrefillSubmit("r1", [1, 2, 3, 70000], SAMPLING, "decode-1", session_id="s-9", tenant="acme"),
     "ack": m.Ack("r1", ok=False, error="no slots", stats={"scatter_ms": 1.25, "pieces": 3}),
     "slot_request": m.SlotRequest("r1", "prefill-0", total_bytes=1 << 33, num_tokens=4096, max_slots=4),
     "slot_grant": m.SlotGrant("r1", endpoint="10.0.0.2:12345", slots=[[0, 1 << 40, 4096], [1, 2 << 40, 4096]]),
@@ -188,3 +188,60 @@ def test_make_usage_sums():
 def test_error_info_rides_a_token_chunk():
     chunk = m.TokenChunk("r1", [], "", finished=True, finish_reason="error", error=error_info(429, "busy", "rate"))
     assert m.TokenChunk.decode(chunk.encode()).error == {"status": 429, "type": "rate", "message": "busy"}
+
+
+# ---- packed token ids ---------------------------------------------------------------------------
+PACKED = [(m.PrefillSubmit, "prompt_ids"), (m.HandoffDone, "prompt_ids"), (m.HandoffDone, "output_ids"),
+          (m.TokenChunk, "token_ids")]
+
+
+def test_every_token_id_list_is_packed():
+    """Every list of token ids on the bus is declared TokenIds (and nothing else is)."""
+    declared = {(cls, name) for cls in KINDS.values() for name in cls.PACKED}
+    assert declared == set(PACKED)
+
+
+@pytest.mark.parametrize("cls, field", PACKED)
+def test_token_ids_travel_as_little_endian_uint32(cls, field):
+    ids = [0, 1, 255, 256, 65535, 65536, 2**32 - 1]
+    msg = dataclasses.replace(SAMPLES[cls.KIND], **{field: ids})
+    wire = msgpack.unpackb(msg.encode(), raw=False)[field]
+    assert isinstance(wire, bytes) and wire == b"".join(i.to_bytes(4, "little") for i in ids)
+    out = cls.decode(msg.encode())
+    assert getattr(out, field) == ids and all(type(t) is int for t in getattr(out, field))
+
+
+def test_a_million_ids_round_trip_in_four_bytes_each():
+    ids = [(i * 2654435761) % 200_000 for i in range(1_000_000)]  # a 200K vocabulary, all over it
+    msg = m.PrefillSubmit("big", ids, SAMPLING, "decode-0", tenant="t")
+    raw = msg.encode()
+    assert 4_000_000 < len(raw) < 4_000_000 + 512
+    assert m.PrefillSubmit.decode(raw) == msg
+    done = m.HandoffDone("big", ids, [7], "x", SAMPLING, {"computed": len(ids)})
+    assert m.HandoffDone.decode(done.encode()).prompt_ids == ids
+
+
+@pytest.mark.parametrize("ids", [[-1], [2**32], [1.5], [True], ["1"], [[1, 2]], [2**70]])
+def test_unpackable_ids_are_refused_at_encode(ids):
+    with pytest.raises(MessageError, match="token ids"):
+        m.PrefillSubmit("r", ids, SAMPLING, "decode-0").encode()
+
+
+def test_packed_ids_of_a_wrong_length_are_refused():
+    data = raw_of(SAMPLES["prefill_submit"], prompt_ids=b"\x01\x00\x00")
+    with pytest.raises(MessageError, match="multiple of 4"):
+        m.PrefillSubmit.decode(pack(data))
+
+
+def test_a_plain_list_of_ids_is_still_accepted():
+    """An older sender's unpacked list decodes the same."""
+    data = raw_of(SAMPLES["prefill_submit"], prompt_ids=[1, 2, 70000])
+    assert m.PrefillSubmit.decode(pack(data)).prompt_ids == [1, 2, 70000]
+    assert m.PrefillSubmit.decode(pack(raw_of(SAMPLES["prefill_submit"], prompt_ids=b""))).prompt_ids == []
+
+
+def test_tenant_defaults_to_the_deployment_namespace():
+    data = raw_of(SAMPLES["prefill_submit"])
+    del data["tenant"]
+    assert m.PrefillSubmit.decode(pack(data)).tenant == ""
+    assert m.PrefillSubmit.decode(SAMPLES["prefill_submit"].encode()).tenant == "acme"

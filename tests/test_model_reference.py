@@ -1,5 +1,10 @@
-"""The model against references that do not share its code: transformers' Llama implementation
-(same weights, independent math) and a fixture recorded from the pinned SmolLM2 GGUF."""
+"""The model's math against transformers' Llama on the SAME weights (moorage's own dequantized,
+un-permuted tensors, saved as a Hugging Face directory), and a regression snapshot of the pinned SmolLM2.
+
+Neither is an independent check of loading: the first shares moorage's loader, the snapshot
+(fixtures/smollm2_regression_snapshot.json, made by fixtures/make_smollm2_regression_snapshot.py) was
+recorded by moorage itself and only catches changes. The independent oracle (transformers loading the
+GGUF with its own loader, tokenizer and chat template) is tests/test_oracle_transformers.py."""
 
 from __future__ import annotations
 
@@ -13,12 +18,12 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.hf_loader import save_hf_dir
 from shared.engine.sampling import SamplingParams
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "smollm2_reference.json").read_text())
+SNAPSHOT = json.loads((Path(__file__).parent / "fixtures" / "smollm2_regression_snapshot.json").read_text())
 MODELS = ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("model", MODELS, indirect=True)
-def test_logits_and_greedy_match_transformers(model, tmp_path):
+def test_math_matches_transformers_on_moorage_weights(model, tmp_path):
     transformers = pytest.importorskip("transformers")
     save_hf_dir(tmp_path, model.config, model.weights)
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
@@ -35,17 +40,17 @@ def test_logits_and_greedy_match_transformers(model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FIXTURE["slices"]))
-def test_gguf_weights_match_recorded_slices(smollm2, name):
-    s = FIXTURE["slices"][name]
+@pytest.mark.parametrize("name", sorted(SNAPSHOT["slices"]))
+def test_gguf_weights_match_regression_snapshot(smollm2, name):
+    s = SNAPSHOT["slices"][name]
     w = smollm2.weights[name]
     vec = w[s["col"]:s["col"] + len(s["values"])] if s["row"] is None else w[s["row"], s["col"]:s["col"] + len(s["values"])]
     torch.testing.assert_close(vec, torch.tensor(s["values"]), rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FIXTURE["completions"], ids=lambda c: c["prompt"][:20])
-def test_smollm2_greedy_completion_matches_recorded(smollm2, case):
+@pytest.mark.parametrize("case", SNAPSHOT["completions"], ids=lambda c: c["prompt"][:20])
+def test_smollm2_greedy_matches_regression_snapshot(smollm2, case):
     ids = smollm2.tokenizer.chat_token_ids([{"role": "user", "content": case["prompt"]}])
     assert ids == case["prompt_ids"]
     engine = Engine(smollm2, EngineConfig(num_blocks=64))

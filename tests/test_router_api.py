@@ -582,10 +582,14 @@ def test_error_before_first_token_is_an_http_error(http, fake):
     resp = http.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "[err-first]"}],
                                  "stream": True})
     err = assert_openai_error(resp, 503)
-    assert err["message"] == "decode lost"
-    rid = fake.submits[-1][1].request_id
-    wait_for(lambda: fake.count("release", rid) == 1)
-    assert fake.count("cancel", rid) == 0  # the final chunk came: nothing left to cancel
+    # a 503 from the engines (an instance on the path failed) before any token: retried once on the other
+    # prefill under the attempt's own bus id, then a stable message (the engine's text stays in the log)
+    assert err["code"] == "service_unavailable" and "decode lost" not in err["message"]
+    (first, a, _), (second, b, _) = fake.submits[-2:]
+    assert b.request_id == a.request_id + "-r1" and first != second
+    for rid in (a.request_id, b.request_id):
+        wait_for(lambda: fake.count("release", rid) == 1)
+        assert fake.count("cancel", rid) == 0  # the final chunk came: nothing left to cancel
 
 
 def test_error_mid_stream_is_one_error_event_then_done(http, fake):
@@ -687,3 +691,119 @@ def _get_ok(url: str) -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.TransportError:
         return False
+
+
+# ---- unsupported OpenAI features (issue 10): a 400 naming the field; neutral values accepted ----------
+UNSUPPORTED = [
+    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 2), (CHAT, "tools", [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]), (CHAT, "tool_choice", "required"),
+    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}), (CHAT, "n", 2),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (COMPL, "logprobs", 0), (COMPL, "logprobs", 3), (COMPL, "n", 3), (COMPL, "best_of", 2), (COMPL, "echo", True),
+    (COMPL, "suffix", "}\n"),
+]
+
+
+@pytest.mark.parametrize("path,field,value", UNSUPPORTED,
+                         ids=[f"{p.rsplit('/', 1)[1]}-{f}-{v!r:.20}" for p, f, v in UNSUPPORTED])
+def test_unsupported_features_are_a_400_naming_the_field(http, fake, path, field, value):
+    before = len(fake.admits)
+    body = {"model": "tiny", "max_tokens": 4, **({"messages": USER} if path == CHAT else {"prompt": "x"}),
+            field: value}
+    err = assert_openai_error(http.post(path, json=body), 400)
+    assert err["param"] == field and field in err["message"] and "not supported" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert len(fake.admits) == before
+
+
+def test_neutral_values_of_unsupported_features_are_served(http, fake):
+    chat = {"model": "tiny", "messages": USER, "max_tokens": 4, "n": 1, "logprobs": False, "top_logprobs": None,
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": None,
+            "parallel_tool_calls": False}
+    assert http.post(CHAT, json=chat).status_code == 200
+    assert http.post(CHAT, json={**chat, "logprobs": None, "tool_choice": "auto"}).status_code == 200
+    compl = {"model": "tiny", "prompt": "x", "max_tokens": 4, "n": 1, "logprobs": None, "echo": False,
+             "best_of": 1, "suffix": None}
+    assert http.post(COMPL, json=compl).status_code == 200
+    assert http.post(COMPL, json={**compl, "logprobs": False, "suffix": ""}).status_code == 200
+
+
+def test_a_one_mib_stop_string_is_a_400(http, fake):
+    before = len(fake.admits)
+    err = assert_openai_error(http.post(COMPL, json={**PROBE, "stop": "x" * (1 << 20)}), 400)
+    assert err["param"] == "stop"
+    assert len(fake.admits) == before
+
+
+def test_openapi_schema_describes_both_request_bodies(cluster):
+    schema = httpx.get(cluster["base"] + "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, name, required in [(CHAT, "ChatCompletionRequest", {"model", "messages"}),
+                                 (COMPL, "CompletionRequest", {"model", "prompt"})]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+        assert set(components[name]["required"]) == required
+        assert {"max_tokens", "temperature", "stop", "stream"} <= set(components[name]["properties"])
+        assert schema["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    assert schema["security"] == [{"bearer": []}]
+
+
+# ---- tenants, /metrics behind the key, bus size (a router of its own) ------------------------------------
+TENANT_KEYS = {"sk-acme-1": "acme", "sk-acme-2": "acme", "sk-blue": "blue"}
+SMALL_BUS = 16384  # bytes: a prompt of more than ~3K token ids does not fit
+
+
+@pytest.fixture(scope="module")
+def tenant_router(cluster):
+    port, log_path = _free_port(), cluster["tmp"] / "router-tenants.log"
+    with open(log_path, "wb") as log:
+        proc = _start_router(cluster["url"], cluster["prefix"], port, log, cluster["tmp"] / "spans-tenants.jsonl",
+                             "instance=router-tenants", "router.metrics_require_key=true",
+                             f"router.api_key_tenants={json.dumps(TENANT_KEYS)}",
+                             f"bus.max_message_bytes={SMALL_BUS}")
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_for(lambda: proc.poll() is None and _get_ok(f"{base}/health"), timeout=60, interval=0.1)
+            yield base
+        finally:
+            _stop(proc)
+
+
+def _post(base: str, key: str, body: dict, path: str = COMPL) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+def test_each_key_submits_its_tenant_never_the_key(tenant_router, fake):
+    for key, tenant in [*TENANT_KEYS.items(), (KEY, "")]:
+        resp = _post(tenant_router, key, PROBE)
+        assert resp.status_code == 200, resp.text
+        _, submit, headers = fake.submit_of(resp.headers["x-request-id"])
+        assert submit.tenant == tenant
+        assert key not in submit.encode().decode("latin-1") and key not in json.dumps(headers)
+    assert_openai_error(_post(tenant_router, "sk-acme-3", PROBE), 401)
+
+
+def test_metrics_need_the_key_when_configured(tenant_router, cluster):
+    assert_openai_error(httpx.get(tenant_router + "/metrics"), 401)
+    assert_openai_error(httpx.get(tenant_router + "/metrics", headers={"Authorization": "Bearer nope"}), 401)
+    for key in ("sk-blue", KEY):
+        resp = httpx.get(tenant_router + "/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200 and "moorage_router_requests_total" in resp.text
+    assert httpx.get(cluster["base"] + "/metrics").status_code == 200  # the default: open
+
+
+def test_a_prompt_too_large_for_the_bus_is_a_413_before_admission(tenant_router, fake):
+    before = len(fake.admits)
+    err = assert_openai_error(_post(tenant_router, KEY, {**PROBE, "prompt": [65] * 4000}), 413)
+    assert err["param"] == "prompt" and err["code"] == "request_too_large"
+    assert f"at most {SMALL_BUS} bytes" in err["message"]
+    err = assert_openai_error(_post(tenant_router, KEY, {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "y" * 4000}]}, CHAT), 413)
+    assert err["param"] == "messages"
+    assert len(fake.admits) == before
+    ok = _post(tenant_router, KEY, {**PROBE, "prompt": [65] * 2000})  # 8 KB of ids: fits
+    assert ok.status_code == 200, ok.text
+    assert len(fake.submit_of(ok.headers["x-request-id"])[1].prompt_ids) == 2000

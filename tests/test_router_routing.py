@@ -152,3 +152,21 @@ def test_default_policy_is_cache_aware_and_every_configured_policy_exists():
     assert set(ROUTING_POLICIES) == set(POLICIES)
     assert make_picker("cache-aware", LoadTable(5.0), 60.0).index is not None
     assert make_picker("sticky", LoadTable(5.0), 60.0).index is None
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_retry_never_goes_to_the_excluded_prefill(policy):
+    p = picker(policy)
+    feed(p, 0.0, report("a"), report("b", queued=10_000))
+    assert p.pick("s", 0.0) == "a"  # the session now sticks to a, which is also the less loaded
+    for _ in range(10):
+        assert p.pick("s", 0.1, exclude={"a"}) == "b"
+    assert p.pick("s", 0.2, exclude={"a", "b"}) is None
+
+
+def test_load_table_listeners_hear_every_report():
+    table, heard = LoadTable(5.0), []
+    table.listeners.append(lambda r, now: heard.append((r.instance, r.ready, now)))
+    table.update(report("a"), 1.0)
+    table.update(report("d", ready=False, role="decode"), 2.0)
+    assert heard == [("a", True, 1.0), ("d", False, 2.0)]

@@ -114,6 +114,8 @@ def test_non_dict_messages_raise_value_error(byte_tok, messages):
 
 # ---- SmolLM2 BPE from the bundled GGUF (slow) -------------------------------------------------------
 
+# Source: Hugging Face transformers' own GGUF tokenizer + apply_chat_template on the same file (the
+# independent oracle); tests/test_oracle_transformers.py re-derives and checks these ids on every run.
 CAPITAL_OF_FRANCE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
                          411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47,
                          2, 198, 1, 520, 9531, 198]

@@ -234,3 +234,67 @@ def test_exceptions_are_rendered_in_json(capsys):
         mlog.get_logger("x").exception("failed")
     (rec,) = _log_lines(capsys.readouterr().err)
     assert rec["level"] == "error" and "RuntimeError: boom" in rec["exception"]
+
+
+def _collector():
+    """A fake OTLP/HTTP collector: (server, received [(path, body)])."""
+    got: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, got
+
+
+def test_several_exporters_at_once_and_service_attributes_for_otlp(tmp_path):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    server, got = _collector()
+    path = tmp_path / "t.jsonl"
+    try:
+        tracing.setup_tracing("prefill", "prefill-3", TracingConfig(
+            exporter="jsonl, otlp-http", endpoint=f"http://127.0.0.1:{server.server_port}", path=str(path)))
+        with tracing.get_tracer("t").start_as_current_span("kv.handoff", attributes={"bytes": 5}):
+            pass
+        tracing.shutdown_tracing()
+    finally:
+        server.shutdown()
+    [(route, body)] = got
+    req = ExportTraceServiceRequest.FromString(body)
+    [rs] = req.resource_spans
+    resource = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
+    assert resource["service.name"] == "prefill" and resource["openinference.project.name"] == tracing.PROJECT
+    [otlp] = rs.scope_spans[0].spans
+    attrs = {kv.key: (kv.value.string_value or kv.value.int_value) for kv in otlp.attributes}
+    # a UI that drops the resource (Phoenix) still sees which service recorded the span
+    assert attrs == {"bytes": 5, "service.name": "prefill", "service.instance.id": "prefill-3"}
+    [line] = tracing.read_spans(path)  # the same span in the file
+    assert route == "/v1/traces" and line["name"] == "kv.handoff" and line["span_id"] == otlp.span_id.hex()
+
+
+def test_service_attributes_only_when_exporting_over_otlp(tmp_path):
+    path = _jsonl(tmp_path, "decode", "d-0")
+    with tracing.get_tracer("t").start_as_current_span("decode.generate", attributes={"tokens": 3}):
+        pass
+    tracing.shutdown_tracing()
+    assert tracing.read_spans(path)[0]["attributes"] == {"tokens": 3}
+
+
+@pytest.mark.parametrize("exporter", ["jsonl,zipkin", "none,jsonl", "", " , "])
+def test_bad_exporter_lists_are_rejected_when_configured(exporter):
+    with pytest.raises(ValueError, match="trace exporter"):
+        TracingConfig(exporter=exporter)
+
+
+def test_sample_ratio_is_validated_when_configured():
+    with pytest.raises(ValueError, match="sample_ratio"):
+        TracingConfig(sample_ratio=1.5)

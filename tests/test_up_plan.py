@@ -51,3 +51,21 @@ def test_bad_topology_is_a_config_error():
         topology("up.pool_mode=mirrored")
     with pytest.raises(ConfigError):
         topology("up.groups=0")
+
+
+def test_every_service_gets_the_run_credential():
+    from shared.natsd import NatsCredential
+
+    cfg = load_config(UpConfig, overrides=[], env={})
+    cred = NatsCredential.generate()
+    with_cred = plan(cfg, "nats://127.0.0.1:1", Path("/tmp/x"), credential=cred)
+    assert all((c.bus.user, c.bus.password) == (cred.user, cred.password) for _, _, c in with_cred)
+    assert all(c.bus.url == "nats://127.0.0.1:1" for _, _, c in with_cred)  # the credential is not in the URL
+    assert all(c.bus.user == "" for _, _, c in plan(cfg, "nats://127.0.0.1:1", Path("/tmp/x")))
+
+
+def test_restart_settings_are_validated():
+    assert load_config(UpConfig, overrides=["up.restart=no"], env={}).up.restart == "no"
+    for bad in ("up.restart=always", "up.restart_backoff_s=0", "up.restart_backoff_max_s=0.1"):
+        with pytest.raises(ConfigError, match="restart"):
+            load_config(UpConfig, overrides=[bad], env={})

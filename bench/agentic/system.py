@@ -102,7 +102,7 @@ def auto_blocks(sessions: list, groups: int, fraction: float, concurrency: int,
                 block_tokens: int = 16, min_prompts: float = 1.0) -> tuple[int, int]:
     """(device blocks per prefill, decode blocks), sized from the traces: device KV across all prefills
     holds `fraction` of the distinct prompt tokens (the perfect cache's working set) but never less than
-    `min_prompts` x the longest request; decode holds 4 x `concurrency` of the longest sequences (subagents
+    the longest request x max(`min_prompts`, the requests in flight per group); decode holds 4 x `concurrency` of the longest sequences (subagents
     run alongside)."""
     reqs = [r for s in sessions for _, r in iter_requests(s)]
     longest = max((r.in_tokens + r.out_tokens for r in reqs), default=1024) + 64  # + template and tag
@@ -115,7 +115,10 @@ def auto_blocks(sessions: list, groups: int, fraction: float, concurrency: int,
                 if (ns, h) not in seen:
                     seen.add((ns, h))
                     distinct_tokens += s.block_size
-    need = math.ceil(min_prompts * longest / block_tokens) + 2
+    # a restore needs free blocks beside the prompts in flight on the same prefill: with too few, every
+    # restore waits `restore_wait_s` and then computes anyway (seen with 2 in flight and room for 1)
+    in_flight = max(min_prompts, math.ceil(concurrency / max(1, groups)))
+    need = math.ceil(in_flight * longest / block_tokens) + 2
     device = max(need, math.ceil(fraction * distinct_tokens / block_tokens / max(1, groups)))
     decode = max(256, 4 * concurrency * math.ceil(longest / block_tokens))
     return device, decode

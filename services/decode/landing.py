@@ -10,6 +10,9 @@ task), so two invariants hold across the awaits below:
   the cancel came lets go of what it took instead of keeping it for ever;
 - blocks of a dropped landing go back to the engine only once no scatter is writing into them, so a
   late write can never land in blocks that another request has been given since.
+
+Tracing: each grant and each scatter is one span (`decode.slot_grant`, `decode.scatter`: one per round
+of the handoff), a child of prefill's `kv.handoff` through the message headers.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Status, StatusCode
+
 from kernels import get_kv_kernels
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
 from shared.messages import Ack, SlotGrant, SlotRequest, SlotsFilled
+from shared.tracing import extract_context, get_tracer
 from shared.transfer import LandingSlots
+
+tracer = get_tracer("moorage.decode.landing")
+
+
+def _parent(raw):
+    return extract_context(getattr(raw, "headers", None))
 
 
 @dataclass
@@ -54,6 +66,15 @@ class LandingZone:
         return rid in self.cancelled
 
     async def grant(self, msg: SlotRequest, raw=None) -> SlotGrant:
+        with tracer.start_as_current_span("decode.slot_grant", context=_parent(raw), attributes={
+                "request_id": msg.request_id, "wanted": msg.max_slots}) as span:
+            reply = await self._grant(msg)
+            span.set_attributes({"granted": len(reply.slots), "error": reply.error})
+            if reply.error.startswith("fatal:"):
+                span.set_status(Status(StatusCode.ERROR, reply.error))
+            return reply
+
+    async def _grant(self, msg: SlotRequest) -> SlotGrant:
         rid = msg.request_id
         if rid in self.cancelled:
             return SlotGrant(rid, error="fatal: request cancelled")
@@ -79,6 +100,15 @@ class LandingZone:
         return SlotGrant(rid, self.endpoint, [[s.slot_id, s.addr, s.nbytes] for s in slots])
 
     async def filled(self, msg: SlotsFilled, raw=None) -> Ack:
+        with tracer.start_as_current_span("decode.scatter", context=_parent(raw), attributes={
+                "request_id": msg.request_id, "pieces": len(msg.pieces)}) as span:
+            ack = await self._filled(msg)
+            span.set_attribute("bytes", sum(p[2] for p in msg.pieces) if ack.ok else 0)
+            if not ack.ok:
+                span.set_status(Status(StatusCode.ERROR, ack.error))
+            return ack
+
+    async def _filled(self, msg: SlotsFilled) -> Ack:
         rid = msg.request_id
         landing = self.landings.get(rid)
         if landing is None:

@@ -1,5 +1,10 @@
 """Decode instance: lands handed-off KV, adopts each request into continuous batching, and streams
 tokens to the router. Read `serve` first: config -> engine -> landing slots -> subscriptions.
+
+Tracing: one `decode.generate` span per request, from HandoffDone to the last token (its parent is the
+request's router.request span, carried in HandoffDone's headers), with the token count, first-token
+time and inter-token gap stats as attributes: never a span per token. The landing zone adds the
+`decode.slot_grant` / `decode.scatter` spans of the handoff.
 """
 
 from __future__ import annotations
@@ -7,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+from opentelemetry.trace import Status, StatusCode
 
 from services.decode.landing import LandingZone
 from shared.engine.engine import Engine, StepOutput
@@ -31,6 +39,25 @@ class Active:
     adopted: float
     first_token_ms: float | None = None
     tokens: int = 0
+    last: float = 0.0                                # monotonic time of the latest step's tokens
+    gaps_ms: list[float] = field(default_factory=list)  # between successive steps' tokens (one float each)
+
+    def on_tokens(self, n: int, now: float) -> None:
+        self.tokens += n
+        if self.first_token_ms is None:
+            self.first_token_ms = (now - self.adopted) * 1e3
+        else:
+            self.gaps_ms.append((now - self.last) * 1e3)
+        self.last = now
+
+    def summary(self) -> dict:
+        out = {"decode_tokens": self.tokens, "first_token_ms": self.first_token_ms or 0.0}
+        if self.gaps_ms:
+            g = np.asarray(self.gaps_ms)
+            p50, p90, p99 = np.percentile(g, [50, 90, 99])
+            out.update({"itl_mean_ms": float(g.mean()), "itl_p50_ms": float(p50), "itl_p90_ms": float(p90),
+                        "itl_p99_ms": float(p99), "itl_max_ms": float(g.max())})
+        return out
 
 
 class DecodeService:
@@ -71,7 +98,7 @@ class DecodeService:
         a = self.active.pop(msg.request_id, None)
         if a is not None:
             await self.loop.call(lambda: self.engine.abort(msg.request_id))
-            a.span.set_attribute("cancelled", True)
+            a.span.set_attributes({"cancelled": True, **a.summary()})
             a.span.end()
         if dropped or a is not None:
             self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
@@ -81,16 +108,14 @@ class DecodeService:
             a = self.active.get(out.request_id)
             if a is None:
                 continue
-            a.tokens += len(out.new_token_ids)
-            if a.first_token_ms is None:
-                a.first_token_ms = (time.monotonic() - a.adopted) * 1e3
+            a.on_tokens(len(out.new_token_ids), time.monotonic())
             usage = None
             if out.finished:
                 self.active.pop(out.request_id, None)
                 completion = a.tokens + 1  # plus the first token, sampled by prefill
                 usage = make_usage(a.prompt_tokens, completion, a.sources)
-                a.span.set_attributes({"completion_tokens": completion, "first_token_ms": a.first_token_ms,
-                                       "finish_reason": out.finish_reason or ""})
+                a.span.set_attributes({"completion_tokens": completion, "finish_reason": out.finish_reason or "",
+                                       **a.summary()})
                 a.span.end()
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
                 out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason, usage))
@@ -102,7 +127,8 @@ class DecodeService:
             if a is None:
                 continue
             self.log.warning("request failed in the engine", request_id=rid, error=message)
-            a.span.set_attribute("error", message)
+            a.span.set_attributes({"error": message, **a.summary()})
+            a.span.set_status(Status(StatusCode.ERROR, message))
             a.span.end()
             with contextlib.suppress(Exception):
                 await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(

@@ -16,8 +16,13 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   decode known at all (the gate just started), a request waits for one to report.
 - The queue is strict FIFO: `drain` admits from the head while the head fits, and a new request
   queues behind any waiting one, so a big request at the head is never overtaken for ever.
-- `expire` rejects requests that waited `admission_wait_s` (the client retries after
-  `retry_after_s`) and drops reservations older than `reservation_ttl_s` (their router died).
+- `expire` rejects requests that waited `admission_wait_s` and drops reservations older than
+  `reservation_ttl_s` (their router died).
+- Every rejection carries `retry_after_s`, an estimate of when the tokens could be had
+  (`retry_after`): the tokens that must be freed first (the queue ahead, plus the request, less the
+  budget free now) over the rate releases freed budget at in the last `release_window_s`, within
+  [retry_after_s, retry_after_max_s] of the settings. With no live decode able to hold it: the time a
+  (re)started decode takes to be seen, `instance_timeout_s`.
 - `release` ends a reservation (or cancels a waiting request). It is idempotent: a duplicate or
   unknown id changes nothing and is only counted.
 
@@ -26,7 +31,7 @@ Pure bookkeeping: no clock, no I/O. Every call takes `now` (monotonic seconds) w
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from services.gate.config import GateSettings
@@ -92,6 +97,7 @@ class Reservation:
     instance: str
     tokens: int
     admitted_at: float
+    owner: str = ""  # the router process (boot id) that releases it
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class Waiting:
     max_tokens: int
     instance: str | None  # the router's choice, honoured when that instance is live and big enough
     enqueued_at: float
+    owner: str = ""       # the router process (boot id) that asked
 
     @property
     def tokens(self) -> int:
@@ -118,12 +125,17 @@ class Admission:
         self.reservations: dict[str, Reservation] = {}
         self.queue: OrderedDict[str, Waiting] = OrderedDict()  # FIFO, indexed by request id
         self._finished: OrderedDict[str, str] = OrderedDict()  # request id -> "released" | "expired"
+        self._freed: deque[tuple[float, int]] = deque()  # (when, tokens) budget given back, release_window_s
+        self._since: float | None = None  # first time we were asked anything (the window's start, early on)
         self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
-                             release_duplicate=0, release_unknown=0)
+                             release_duplicate=0, release_unknown=0, orphaned=0)
+        self.routers: dict[str, str] = {}  # router instance -> the boot id of its process, from its load reports
 
     # ---- decode instances --------------------------------------------------------------------
     def report(self, instance: str, capacity_tokens: int, free_tokens: int, ready: bool, now: float) -> None:
         """A decode load report. `ready=False` (a goodbye) takes the instance out of choice."""
+        if self._since is None:
+            self._since = now
         inst = self.instances.setdefault(instance, Instance(instance))
         inst.capacity_tokens = max(0, int(capacity_tokens))
         inst.free_tokens = min(max(0, int(free_tokens)), inst.capacity_tokens)
@@ -173,9 +185,11 @@ class Admission:
         return None
 
     def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
-              instance: str | None = None) -> Admitted | Invalid | Rejected | Wait:
+              instance: str | None = None, owner: str = "") -> Admitted | Invalid | Rejected | Wait:
         """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
         reserved or waiting returns its current state and reserves nothing more."""
+        if self._since is None:
+            self._since = now
         if request_id in self.reservations:
             r = self.reservations[request_id]
             return Admitted(request_id, r.instance, r.tokens)
@@ -185,11 +199,11 @@ class Admission:
         if reason is not None:
             self.counters["invalid"] += 1
             return Invalid(request_id, reason)
-        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now)
+        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner)
         unavailable = self._unavailable_reason(w.tokens, now)
         if unavailable is not None:
             self.counters["rejected"] += 1
-            return Rejected(request_id, unavailable, 0.0, self.settings.retry_after_s, unavailable=True)
+            return Rejected(request_id, unavailable, 0.0, self.retry_after(w.tokens, now), unavailable=True)
         if not self.queue:  # strict FIFO: nobody overtakes a waiting request
             inst = self._choose(w, now)
             if inst is not None:
@@ -198,7 +212,7 @@ class Admission:
         return Wait(request_id)
 
     def _reserve(self, w: Waiting, inst: Instance, now: float) -> Admitted:
-        self.reservations[w.request_id] = Reservation(w.request_id, inst.name, w.tokens, now)
+        self.reservations[w.request_id] = Reservation(w.request_id, inst.name, w.tokens, now, w.owner)
         inst.reserved += w.tokens
         self._finished.pop(w.request_id, None)
         self.counters["admitted"] += 1
@@ -226,10 +240,11 @@ class Admission:
             big_enough = any(self.live(i, now) and i.budget >= w.tokens for i in self.instances.values())
             reason = (f"no KV budget for {w.tokens} tokens on decode within {s.admission_wait_s:g} s"
                       if big_enough else NO_INSTANCE)
-            out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at, s.retry_after_s,
-                                         unavailable=not big_enough))
+            ahead = sum(q.tokens for q in self.queue.values() if q.enqueued_at <= w.enqueued_at)
+            out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at,
+                                         self.retry_after(w.tokens, now, ahead), unavailable=not big_enough))
         for r in [r for r in self.reservations.values() if now - r.admitted_at >= s.reservation_ttl_s]:
-            self._drop(r, "expired")
+            self._drop(r, "expired", now)
             self.counters["expired"] += 1
             out.reservations.append(r)
         for inst in [i for i in self.instances.values()
@@ -237,12 +252,32 @@ class Admission:
             del self.instances[inst.name]
         return out
 
-    def release(self, request_id: str) -> str:
+    def router_report(self, instance: str, boot: str, now: float) -> tuple[list[Reservation], list[str]]:
+        """A router's load report. When `instance` reports another process than before (it was restarted,
+        e.g. after kill -9), what its previous process held can never be released: its reservations are
+        dropped (counted "orphaned") and its waiting requests taken out of the queue. Returns both."""
+        old = self.routers.get(instance)
+        if boot:
+            self.routers[instance] = boot
+        if not boot or not old or old == boot:
+            return [], []
+        dropped = [r for r in self.reservations.values() if r.owner == old]
+        for r in dropped:
+            self._drop(r, "orphaned", now)
+            self.counters["orphaned"] += 1
+        waiting = [w.request_id for w in self.queue.values() if w.owner == old]
+        for rid in waiting:
+            del self.queue[rid]
+            self.counters["cancelled"] += 1
+        return dropped, waiting
+
+    def release(self, request_id: str, now: float | None = None) -> str:
         """End a request however it ended. Returns "released" (its reservation is freed), "cancelled"
-        (it was still waiting: the caller answers it), "duplicate" or "unknown" (nothing changes)."""
+        (it was still waiting: the caller answers it), "duplicate" or "unknown" (nothing changes).
+        `now` dates the freed budget for the release rate (Retry-After)."""
         r = self.reservations.get(request_id)
         if r is not None:
-            self._drop(r, "released")
+            self._drop(r, "released", now)
             self.counters["released"] += 1
             return "released"
         if request_id in self.queue:
@@ -255,12 +290,38 @@ class Admission:
         self.counters["release_unknown"] += 1
         return "unknown"
 
-    def _drop(self, r: Reservation, how: str) -> None:
+    def _drop(self, r: Reservation, how: str, now: float | None = None) -> None:
         del self.reservations[r.request_id]
         self.instances[r.instance].reserved -= r.tokens
         self._finished[r.request_id] = how
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
+        if now is not None:
+            self._freed.append((now, r.tokens))
+
+    # ---- Retry-After -------------------------------------------------------------------------
+    def release_rate(self, now: float) -> float:
+        """Budget tokens freed per second over the last release_window_s (or since we started)."""
+        window = self.settings.release_window_s
+        while self._freed and self._freed[0][0] < now - window:
+            self._freed.popleft()
+        span = min(window, now - (self._since if self._since is not None else now))
+        return sum(t for _, t in self._freed) / max(1.0, span)
+
+    def retry_after(self, tokens: int, now: float, ahead: int | None = None) -> float:
+        """Seconds until `tokens` could plausibly be admitted, behind `ahead` queued tokens (default: the
+        whole queue), bounded by [retry_after_s, retry_after_max_s] (see the module doc)."""
+        s = self.settings
+        lo, hi = s.retry_after_s, max(s.retry_after_s, s.retry_after_max_s)
+        live = [i for i in self.instances.values() if self.live(i, now) and i.budget >= tokens]
+        if not live:  # nothing live can hold it: until a (re)started decode can have reported
+            return min(hi, max(lo, s.instance_timeout_s))
+        ahead = sum(w.tokens for w in self.queue.values()) if ahead is None else ahead
+        need = ahead + tokens - max(max(0, i.budget - i.committed) for i in live)
+        if need <= 0:
+            return lo
+        rate = self.release_rate(now)
+        return hi if rate <= 0 else min(hi, max(lo, need / rate))
 
     # ---- observability -----------------------------------------------------------------------
     def stats(self, now: float) -> dict:

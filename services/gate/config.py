@@ -16,7 +16,9 @@ class GateSettings:
     max_output_tokens: int = 0          # 0: no limit beyond the decode capacity
     reservation_ttl_s: float = 900.0    # a reservation never released (its router died) expires after this
     instance_timeout_s: float = 5.0     # a decode whose last load report is older is not chosen
-    retry_after_s: float = 1.0          # Retry-After sent with a rejection
+    retry_after_s: float = 1.0          # least Retry-After sent with a rejection (it is estimated from the queue)
+    retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
+    release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget_fraction <= 1.0:
@@ -24,7 +26,10 @@ class GateSettings:
         for name in ("admission_wait_s", "retry_after_s", "max_input_tokens", "max_output_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"gate.{name} must not be negative, got {getattr(self, name)}")
-        for name in ("reservation_ttl_s", "instance_timeout_s"):
+        if self.retry_after_max_s < self.retry_after_s:
+            raise ConfigError(f"gate.retry_after_max_s ({self.retry_after_max_s}) must be >= gate.retry_after_s "
+                              f"({self.retry_after_s})")
+        for name in ("reservation_ttl_s", "instance_timeout_s", "release_window_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"gate.{name} must be positive, got {getattr(self, name)}")
 

@@ -59,6 +59,7 @@ class Gate:
                                  on_error=self.on_malformed_admit)
         await self.bus.subscribe(s.gate_release, Release, self.on_release, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("decode", "*"), LoadReport, self.on_load, on_error=self.on_malformed)
+        await self.bus.subscribe(s.load("router", "*"), LoadReport, self.on_router, on_error=self.on_malformed)
         self.ctx.load_report = self.load_report
         loop_task = asyncio.create_task(self.loop())
 
@@ -82,7 +83,7 @@ class Gate:
             if self.stopping:
                 raise RuntimeError("shutting down")
             outcome = self.admission.admit(msg.request_id, msg.prompt_tokens, msg.max_tokens, now,
-                                           msg.decode_instance)
+                                           msg.decode_instance, msg.router_boot)
         except Exception as e:  # a bug must cost one request, not the service
             self.log.exception("admit failed", request_id=msg.request_id)
             span.record_exception(e)
@@ -97,15 +98,29 @@ class Gate:
         return self.reply(p, outcome)
 
     async def on_release(self, msg: Release, raw: Msg) -> None:
-        how = self.admission.release(msg.request_id)
+        how = self.admission.release(msg.request_id, time.monotonic())
         self.log.info("release", request_id=msg.request_id, result=how, reason=msg.reason)
         if how == "cancelled":
-            await self.answer(Rejected(msg.request_id, "released while waiting", 0.0, 0.0))
+            await self.answer(Rejected(msg.request_id, "released while waiting", 0.0,
+                                       self.admission.settings.retry_after_s))
         self.wake.set()
 
     async def on_load(self, msg: LoadReport, raw: Msg) -> None:
         if msg.role == "decode":
             self.admission.report(msg.instance, msg.capacity_tokens, msg.free_tokens, msg.ready, time.monotonic())
+            self.wake.set()
+
+    async def on_router(self, msg: LoadReport, raw: Msg) -> None:
+        """A restarted router's first report frees what its previous process held (see Admission.router_report)."""
+        boot = (msg.detail or {}).get("boot")
+        dropped, waiting = self.admission.router_report(msg.instance, boot if isinstance(boot, str) else "",
+                                                        time.monotonic())
+        if dropped or waiting:
+            self.log.warning("router restarted: dropped what its previous process held", router=msg.instance,
+                             reservations=len(dropped), tokens=sum(r.tokens for r in dropped), waiting=len(waiting))
+            for rid in waiting:
+                await self.answer(Rejected(rid, "the router that asked was restarted", 0.0,
+                                           self.admission.settings.retry_after_s, unavailable=True))
             self.wake.set()
 
     def on_malformed_admit(self, err: Exception, raw: Msg) -> AdmitReply:

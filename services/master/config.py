@@ -20,6 +20,7 @@ class MasterSettings:
     extra_args: list[str] = field(default_factory=list)  # more mooncake_master flags, e.g. ["--rpc_thread_num=4"]
     restart_backoff_s: float = 1.0             # wait before restarting a master that died
     binary: str = ""                           # mooncake_master to run (empty: the one in the mooncake package)
+    events_interval_s: float = 1.0             # list the pool's keys this often; publish chunks removed/stored as KV events (0: off)
 
     def __post_init__(self) -> None:
         for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
@@ -30,6 +31,8 @@ class MasterSettings:
                 raise ConfigError(f"master.{name} must be a port number, got {getattr(self, name)}")
         if self.default_kv_lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
             raise ConfigError("master.default_kv_lease_ttl_ms and master.client_ttl_s must be positive")
+        if self.events_interval_s < 0:
+            raise ConfigError(f"master.events_interval_s must not be negative, got {self.events_interval_s}")
         if self.restart_backoff_s < 0:
             raise ConfigError(f"master.restart_backoff_s must not be negative, got {self.restart_backoff_s}")
 

@@ -3,10 +3,11 @@
 The child binds its RPC port (what stores and clients call `master_addr`) and an HTTP port whose
 `/metrics` (Prometheus text) and `/health` are the pool's own endpoints; this service only scrapes
 `/metrics` every load_interval_s into its LoadReport (role "master"): capacity, use, objects, clients,
-evictions, restarts and the metrics URL. It serves nothing else. A restarted master keeps its ports;
-stores remount their segments by themselves within about a second, but every object is lost (the
-object metadata lived in the dead process). The child dies with this service (SIGTERM on shutdown,
-PR_SET_PDEATHSIG if this process is killed outright).
+evictions, restarts and the metrics URL; and it lists the pool's keys every events_interval_s to
+publish store-tier KV events (chunks that left the pool: see store_events.py). It serves nothing else.
+A restarted master keeps its ports; stores remount their segments by themselves within about a second,
+but every object is lost (the object metadata lived in the dead process). The child dies with this
+service (SIGTERM on shutdown, PR_SET_PDEATHSIG if this process is killed outright).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from services.master.config import MasterSettings
-from shared.messages import LoadReport
+from services.master.store_events import StoreEventPublisher
+from shared.messages import KVEventBatch, LoadReport
 from shared.service import ServiceContext
 
 # LoadReport.detail key -> the master's Prometheus metric
@@ -180,6 +182,17 @@ async def serve(ctx: ServiceContext) -> None:
     await master.spawn()
     tasks = [asyncio.create_task(master.watch()), asyncio.create_task(master.scrape())]
     ctx.load_report = master.load_report
+    if master.s.events_interval_s > 0:
+        events = StoreEventPublisher(ctx, master, master.s.events_interval_s, _http_get)
+        await ctx.bus.subscribe(ctx.bus.subjects.kv_events("*"), KVEventBatch, events.on_kv_events)
+        tasks.append(asyncio.create_task(events.run()))
+
+        def load_report() -> LoadReport:
+            report = master.load_report()
+            report.detail["store_events"] = events.detail()
+            return report
+
+        ctx.load_report = load_report
 
     async def stop() -> None:
         await master.stop()

@@ -1,7 +1,8 @@
 """Publishes this instance's KV lifecycle events (device blocks indexed / evicted, chunks saved to the
-pool) on `moorage.kv.events.<instance>` for routers to mirror. Advisory: a lost batch costs routers hit
-rate, never correctness. The block manager calls `emit` from the engine thread; batches go out from
-the event loop every `interval_s`.
+pool, a request's blocks handed to a decode instance) on `moorage.kv.events.<instance>` for routers to
+mirror (chunks that later leave the pool are the master's to report: services/master/store_events.py).
+Advisory: a lost batch costs routers hit rate, never correctness. The block manager calls `emit` from
+the engine thread; batches go out from the event loop every `interval_s`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class KVEventPublisher:
 
     def emit_store(self, digests: list[bytes], chunk_tokens: int) -> None:
         self._queue.append(kv_event_dict(BlockStored(list(digests), None, [], chunk_tokens, medium="store")))
+
+    def emit_transferred(self, block_hashes: list[bytes], to_instance: str) -> None:
+        """A request's KV (these full blocks' chained hashes) landed on decode instance `to_instance`."""
+        self._queue.append({"type": "transferred", "hashes": list(block_hashes), "medium": "device",
+                            "to": to_instance})
 
     async def flush(self) -> None:
         while self._queue:

@@ -5,6 +5,11 @@ decode rank's token-major buffer ([tokens, layers, 2, kv_heads, head_dim], see s
 round: ask decode for credits (slots), gather one window per slot into our registered staging
 buffers, write them all in one batched call, then tell decode which bytes landed where; decode
 scatters and returns the credits. The blocks stay owned by the handoff until it ends, however it ends.
+
+Tracing: the caller's `kv.handoff` span is current; each round adds a `kv.gather` and a `kv.write` span
+(two spans per round of up to max_slots_per_round x 8 MiB, never one per block or token), and decode's
+`decode.slot_grant` / `decode.scatter` spans join it through the NATS headers. The final HandoffDone goes
+out under `done_context` (the request's own span), so decode.generate is a sibling of kv.handoff.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import context as otel_context
 
 from kernels import get_kv_kernels
 from shared.bus import Bus
 from shared.kv_layout import KVLayout
 from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
+from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig
+
+tracer = get_tracer("moorage.prefill.handoff")
 
 
 class HandoffFailed(RuntimeError):
@@ -77,8 +86,9 @@ class HandoffSender:
         return [(t0, min(num_tokens, t0 + w)) for t0 in range(0, num_tokens, w)]
 
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
-                   done: HandoffDone) -> HandoffStats:
-        """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over."""
+                   done: HandoffDone, done_context: otel_context.Context | None = None) -> HandoffStats:
+        """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over (the HandoffDone
+        carries `done_context` as its trace parent when given, else the current span)."""
         subjects, stats = self.bus.subjects, HandoffStats()
         windows = self._windows(num_tokens)
         total = num_tokens * self.token_bytes
@@ -95,7 +105,12 @@ class HandoffSender:
             for task in in_flight:
                 task.cancel()
         done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds}
-        ack = await self.bus.request(subjects.decode_landed(decode), done, Ack)
+        token = otel_context.attach(done_context) if done_context is not None else None
+        try:
+            ack = await self.bus.request(subjects.decode_landed(decode), done, Ack)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         if not ack.ok:
             raise HandoffFailed(f"decode refused the request: {ack.error}")
         return stats
@@ -123,23 +138,28 @@ class HandoffSender:
             return i
         slots = grant.slots[:want]
         bufs = await self.staging.take(len(slots))
+        attrs = {"round": stats.rounds, "windows": len(slots)}
         try:
             src, dst, lens, pieces = [], [], [], []
             t = time.perf_counter()
-            for (slot_id, addr, cap), b in zip(slots, bufs):
-                t0, t1 = windows[i]
-                i += 1
-                nbytes = (t1 - t0) * self.token_bytes
-                if nbytes > cap:
-                    raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
-                out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
-                await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
-                                        t1 - t0, 1, self.layout, [out])
-                src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
-                pieces.append([slot_id, t0 * self.token_bytes, nbytes])
+            with tracer.start_as_current_span("kv.gather", attributes=attrs) as span:
+                for (slot_id, addr, cap), b in zip(slots, bufs):
+                    t0, t1 = windows[i]
+                    i += 1
+                    nbytes = (t1 - t0) * self.token_bytes
+                    if nbytes > cap:
+                        raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
+                    out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
+                    await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
+                                            t1 - t0, 1, self.layout, [out])
+                    src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
+                    pieces.append([slot_id, t0 * self.token_bytes, nbytes])
+                span.set_attribute("bytes", sum(lens))
             stats.gather_ms += (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
+            with tracer.start_as_current_span("kv.write", attributes={**attrs, "bytes": sum(lens), "writes": len(src),
+                                                                      "endpoint": grant.endpoint}):
+                await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
             stats.write_ms += (time.perf_counter() - t) * 1e3
         finally:
             await self.staging.give_back(bufs)

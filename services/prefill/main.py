@@ -18,6 +18,7 @@ from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.kv_tenant import MAX_TENANT_CHARS
 from shared.messages import (Ack, Cancel, HandoffDone, LoadReport, PrefillSubmit, TokenChunk, error_info,
                              make_usage)
 from shared.service import ServiceContext
@@ -41,6 +42,7 @@ class PrefillService:
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
         self.pool = None  # PoolConnector when the shared pool is enabled
+        self.events = None  # KVEventPublisher: a "transferred" event after each handoff
         self.tasks: set[asyncio.Task] = set()
         self.log = ctx.log
 
@@ -57,6 +59,8 @@ class PrefillService:
         try:
             params = SamplingParams.from_dict(msg.sampling)
             self.engine.check_request(msg.prompt_ids, params)
+            if len(msg.tenant) > MAX_TENANT_CHARS:
+                raise ValueError(f"tenant names are at most {MAX_TENANT_CHARS} characters")
         except (ValueError, TypeError) as e:
             return Ack(msg.request_id, False, str(e))
         p = self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw))
@@ -68,7 +72,7 @@ class PrefillService:
         restored = None
         if self.pool is not None:
             try:
-                restored = await self.pool.restore(rid, prompt, p.trace_ctx)
+                restored = await self.pool.restore(rid, prompt, p.trace_ctx, p.submit.tenant)
             except Exception as e:  # the pool is an optimisation: compute instead
                 self.log.warning("restore failed, computing instead", request_id=rid, error=str(e))
         pinned = restored.pinned if restored else []
@@ -80,7 +84,8 @@ class PrefillService:
         def add() -> None:  # p.seq is set in the same breath as the engine takes it: no step in between
             p.seq = self.engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True,
                                             pinned_blocks=pinned,
-                                            restored_range=restored.token_range if restored else (0, 0))
+                                            restored_range=restored.token_range if restored else (0, 0),
+                                            tenant=p.submit.tenant)
         try:
             await self.loop.call_now(add)  # queued at once, even while a long step computes
         except ValueError as e:
@@ -153,7 +158,7 @@ class PrefillService:
         except ValueError:  # a block already went back to the plain free pool: nothing to save
             return
         if blocks:
-            self._spawn(self.pool.save(p.seq.request_id, p.seq.prompt_ids, blocks, p.trace_ctx))
+            self._spawn(self.pool.save(p.seq.request_id, p.seq.prompt_ids, blocks, p.trace_ctx, p.submit.tenant))
 
     def _sources(self, seq: Sequence) -> dict:
         store = seq.num_store_tokens
@@ -179,10 +184,14 @@ class PrefillService:
             span.set_attributes({"request_id": rid, "decode_instance": p.submit.decode_instance,
                                  "tokens": len(seq.prompt_ids)})
             try:
-                stats = await self.sender.send(p.submit.decode_instance, rid, table, len(seq.prompt_ids), done)
+                stats = await self.sender.send(p.submit.decode_instance, rid, table, len(seq.prompt_ids), done,
+                                              done_context=p.trace_ctx)  # decode.generate: under router.request
                 span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                      "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
                                      "scatter_ms": stats.scatter_ms})
+                if self.events is not None:
+                    self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
+                                                 p.submit.decode_instance)
             except asyncio.CancelledError:
                 span.set_status(Status(StatusCode.ERROR, "cancelled"))
             except Exception as e:  # decode gone, timeout, transfer error: fail this request only
@@ -227,6 +236,7 @@ async def serve(ctx: ServiceContext) -> None:
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
     svc = PrefillService(ctx, engine, sender)
+    svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector
         from shared.pool import PoolClient

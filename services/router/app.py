@@ -1,7 +1,8 @@
 """The router's HTTP API: an OpenAI-compatible FastAPI app over a RouterState (bus, tokenizer, loads).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (see generate.py), GET /v1/models, GET /health
-(200 only while a ready gate, prefill and decode have reported recently), GET /metrics (Prometheus).
+(200 only while a ready gate, prefill and decode have reported recently), GET /metrics (Prometheus; needs
+the API key when router.metrics_require_key), GET /openapi.json (openapi.py).
 Every error, including FastAPI's own (422 validation, 404 route, 405 method), is an OpenAI error object.
 """
 
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router import openapi
 from services.router.dispatch import RouterState
 from services.router.generate import Generation
 from services.router.prepare import authorize
@@ -23,7 +25,12 @@ REQUIRED_ROLES = ("gate", "prefill", "decode")
 
 
 def create_app(state: RouterState) -> FastAPI:
-    app = FastAPI(title="moorage router", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry spans are off: they traced every GET /health and GET /metrics poll (a
+    # quarter of all spans) and made each request a second trace beside router.request, which is the
+    # request's server span (it continues a client's traceparent) and the root of its one trace.
+    app = FastAPI(title="moorage router", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  telemetry={"tracing": False})
+    openapi.install(app, auth=bool(state.settings.key_tenants))
     app.state.router = state
     created = int(time.time())
 
@@ -86,7 +93,9 @@ def create_app(state: RouterState) -> FastAPI:
         return JSONResponse({"status": "ok", "ready": ready, "kv_tokens": kv_tokens})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if state.settings.metrics_require_key:
+            authorize(state, request)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return app

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.config import ConfigError
+from shared.kv_tenant import MAX_TENANT_CHARS
+from shared.ops_http import HttpSettings
 from shared.service import ServiceConfig
 
 ROUTING_POLICIES = ("cache-aware", "sticky", "p2c")  # routing.POLICIES
@@ -18,6 +20,8 @@ class RouterSettings:
     model: str = "smollm2-135m"        # tokenizer + context length; what /v1/models lists
     served_model_name: str = ""        # the name clients send; "" = model
     api_keys: list[str] = field(default_factory=list)  # non-empty: require `Authorization: Bearer <key>`
+    api_key_tenants: dict[str, str] = field(default_factory=dict)  # more keys, each with its tenant ({key = "tenant"}): tenants never share cached KV; keys of one tenant (and all of api_keys) do
+    metrics_require_key: bool = False  # GET /metrics needs an API key too (when any key is configured)
     default_max_tokens: int = 512      # when the client gives none (capped by the room left in context)
     max_request_tokens: int = 0        # prompt + max_tokens cap; 0 = the model's context
     request_timeout_s: float = 600.0   # whole request, admission to last token
@@ -27,6 +31,7 @@ class RouterSettings:
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit
     instance_timeout_s: float = 5.0    # a load report older than this: the instance is gone
+    liveness_timeout_s: float = 3.0    # a request whose prefill or decode is silent this long (or not ready) ends: 503
     graceful_shutdown_s: float = 5.0   # open streams get this long to finish on shutdown
 
     def __post_init__(self) -> None:
@@ -42,11 +47,25 @@ class RouterSettings:
         if self.max_request_tokens < 0:
             raise ConfigError(f"router.max_request_tokens must not be negative, got {self.max_request_tokens}")
         for name in ("request_timeout_s", "admission_timeout_s", "submit_timeout_s", "session_idle_s",
-                     "instance_timeout_s"):
+                     "instance_timeout_s", "liveness_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}")
         if any(not k for k in self.api_keys):
             raise ConfigError("router.api_keys must not contain empty keys")
+        for key, tenant in self.api_key_tenants.items():
+            if not key:
+                raise ConfigError("router.api_key_tenants must not contain empty keys")
+            if not tenant or len(tenant) > MAX_TENANT_CHARS:
+                raise ConfigError(f"router.api_key_tenants: each tenant is a name of 1-{MAX_TENANT_CHARS} "
+                                  f"characters, got {tenant!r}")
+            if key in self.api_keys:
+                raise ConfigError("router.api_key_tenants: a key is listed in router.api_keys too "
+                                  "(the untenanted namespace); list it in one place")
+
+    @property
+    def key_tenants(self) -> dict[str, str]:
+        """Every accepted API key and its tenant ("" = the deployment's own namespace)."""
+        return {**{k: "" for k in self.api_keys}, **self.api_key_tenants}
 
     @property
     def model_name(self) -> str:
@@ -56,4 +75,5 @@ class RouterSettings:
 @dataclass
 class RouterConfig(ServiceConfig):
     instance: str = "router-0"
+    http: HttpSettings = field(default_factory=lambda: HttpSettings(port=-1))  # /health and /metrics are on the API port
     router: RouterSettings = field(default_factory=RouterSettings)

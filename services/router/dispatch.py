@@ -1,6 +1,13 @@
-"""One request on the bus, as docs/protocol.md lays it out: pick a prefill, admit at the gate, subscribe
-to the request's token subject, submit to the prefill, relay TokenChunks, and end it with exactly one
-Release (and a Cancel when it ends before its final chunk), however it ends.
+"""One attempt at a request on the bus, as docs/protocol.md lays it out: pick a prefill, admit at the
+gate, subscribe to the request's token subject, submit to the prefill, relay TokenChunks, and end it with
+exactly one Release (and a Cancel when it ends before its final chunk), however it ends.
+
+While it runs, the attempt watches its prefill (until decode has taken the request over: its second
+chunk) and its decode through the router's LivenessMonitor. When one of them goes (not ready, silent,
+or the router's bus lost), the attempt ends at once with `InstanceLost` (503), wherever it is waiting.
+A request makes at most two attempts (generate.py); the retry runs under a bus id of its own,
+`<request id>-r1`, so the first attempt's Cancel, Release and late chunks can never touch it (decode
+remembers cancelled ids, and the gate treats a repeated admit of a live id as the same request).
 
 Every bus call runs with the request's `router.request` span current, so its trace context rides in the
 NATS headers and the gate / prefill / decode spans join the same trace.
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,10 +26,11 @@ import nats.errors
 from opentelemetry import trace
 
 from services.router.config import RouterSettings
+from services.router.liveness import Gone, LivenessMonitor, Watch
 from services.router.metrics import RouterMetrics
 from services.router.routing import LoadTable, PrefillPicker
 from services.router.schemas import OpenAIError
-from shared.bus import Bus
+from shared.bus import Bus, PayloadTooLarge
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, MessageError, PrefillSubmit, Release, TokenChunk
 
@@ -40,11 +49,47 @@ class RouterState:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     clock: Callable[[], float] = time.monotonic
     live: set["Dispatch"] = field(default_factory=set)  # subscribed, not yet closed (shutdown aborts them)
+    boot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process (load reports, admits): a restarted
+    #                                                               router's gate reservations are freed by it
+    monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
+
+    def __post_init__(self) -> None:
+        self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
+        self.loads.listeners.append(self.monitor.on_report)
 
     @property
     def context_limit(self) -> int:
         cap = self.settings.max_request_tokens
         return min(cap, self.max_context) if cap else self.max_context
+
+    def others(self, role: str, instance: str | None = None) -> list[str]:
+        """Ready instances of `role` that reported recently, except `instance`."""
+        return [v.instance for v in self.loads.fresh(role, self.clock()) if v.instance != instance]
+
+    def retry_after(self, role: str, instance: str | None = None) -> dict[str, str]:
+        """Retry-After for a 503 the router decides itself (no gate figure): 1 s when another ready
+        `role` instance is there to take a retry, else the instance timeout: the time within which a
+        started or restarted instance is seen (and a silent one forgotten)."""
+        wait = 1 if self.others(role, instance) else max(1, math.ceil(self.settings.instance_timeout_s))
+        return {"Retry-After": str(wait)}
+
+
+_LOST_MESSAGES = {
+    "prefill": "the prefill instance serving this request became unavailable",
+    "decode": "the decode instance serving this request became unavailable",
+    "bus": "the router lost its connection to the message bus",
+    None: "an instance serving this request became unavailable",
+}
+
+
+class InstanceLost(OpenAIError):
+    """An instance this attempt depends on failed or went away: 503 with a stable message (the detail
+    goes to logs and the span). A fresh attempt elsewhere may succeed."""
+
+    def __init__(self, role: str | None, instance: str | None, detail: str, headers: dict[str, str]):
+        super().__init__(503, _LOST_MESSAGES.get(role, _LOST_MESSAGES[None]), code="service_unavailable",
+                         headers=headers)
+        self.role, self.instance, self.detail = role, instance, detail
 
 
 @dataclass
@@ -54,30 +99,58 @@ class Job:
     prompt_ids: list[int]
     max_tokens: int
     sampling: dict
+    tenant: str = ""  # the API key's tenant (router.api_key_tenants): salts the request's KV namespace
+
+
+@dataclass(frozen=True)
+class Avoid:
+    """What a retry stays away from: the prefill, or the decode, that failed the first attempt."""
+    prefill: str | None = None
+    decode: str | None = None
 
 
 class Dispatch:
-    def __init__(self, state: RouterState, job: Job, span: trace.Span, log, deadline: float):
-        self.state, self.job, self.span, self.log, self.deadline = state, job, span, log, deadline
+    def __init__(self, state: RouterState, job: Job, span: trace.Span, log, deadline: float, attempt: int = 0,
+                 avoid: Avoid = Avoid()):
+        self.state, self.job, self.span, self.deadline = state, job, span, deadline
+        self.attempt, self.avoid = attempt, avoid
+        self.request_id = job.request_id if attempt == 0 else f"{job.request_id}-r{attempt}"  # on the bus
+        self.log = log.bind(attempt_id=self.request_id) if attempt else log
         self.bus = state.bus
         self.prefill: str | None = None
         self.decode: str | None = None
         self._sub = None
         self._chunks: asyncio.Queue = asyncio.Queue()  # raw token messages, or an OpenAIError (abort)
+        self._aborted = asyncio.Event()  # abort() was called: `_abort_error` says why
+        self._abort_error: OpenAIError | None = None
+        self._watch = Watch(self._on_gone)
         self._must_release = False  # the gate may hold (or be waiting on) a reservation for us
         self._submitted = False     # prefill / decode may be working on it
+        self.chunks = 0             # token chunks received
         self.finished = False       # the final chunk arrived
         self._closed = False
 
+    def _decode_pin(self) -> str | None:
+        """After a decode failed: ask the gate for another live one (the one with the most free KV)."""
+        if self.avoid.decode is None:
+            return None
+        others = [v for v in self.state.loads.fresh("decode", self.state.clock()) if v.instance != self.avoid.decode]
+        return max(others, key=lambda v: (v.free_tokens, v.instance)).instance if others else None
+
     async def start(self) -> None:
         """Admit and submit; raises OpenAIError (the caller still calls close())."""
-        s, job, subjects = self.state.settings, self.job, self.bus.subjects
+        s, job, subjects, rid = self.state.settings, self.job, self.bus.subjects, self.request_id
+        if not self.state.others("decode"):  # the gate would say so too, or wait for one if it knows none
+            self.state.metrics.admission_rejections.labels("no_decode").inc()
+            raise OpenAIError(503, "no decode instance available", code="service_unavailable",
+                              headers=self.state.retry_after("decode"))
         self.prefill = self.state.picker.pick(job.session_id, self.state.clock(), len(job.prompt_ids),
-                                              job.prompt_ids)
+                                              job.prompt_ids, exclude={self.avoid.prefill} - {None},
+                                              tenant=job.tenant)
         if self.prefill is None:
             raise OpenAIError(503, "no prefill instance available", code="service_unavailable",
-                              headers={"Retry-After": "1"})
-        self.span.set_attribute("prefill_instance", self.prefill)
+                              headers=self.state.retry_after("prefill"))
+        self.span.set_attribute("prefill_instance" if not self.attempt else "retry_prefill_instance", self.prefill)
         decision = self.state.picker.last
         if decision is not None and decision.instance == self.prefill:
             self.state.metrics.observe_route(decision)
@@ -88,11 +161,13 @@ class Dispatch:
         with trace.use_span(self.span, end_on_exit=False):
             try:
                 reply = await self.bus.request(subjects.gate_admit, AdmitRequest(
-                    job.request_id, len(job.prompt_ids), job.max_tokens), AdmitReply, timeout=s.admission_timeout_s)
+                    rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot),
+                    AdmitReply,
+                    timeout=s.admission_timeout_s)
             except (*_BUS_ERRORS, MessageError) as e:
                 self.state.metrics.admission_rejections.labels("timeout").inc()
                 raise OpenAIError(503, f"admission gate unavailable ({type(e).__name__})",
-                                  code="service_unavailable", headers={"Retry-After": "1"}) from None
+                                  code="service_unavailable", headers=self.state.retry_after("gate")) from None
         self.span.set_attribute("admission_waited_ms", reply.waited_ms)
         if reply.status != "admitted":
             self._must_release = False  # nothing held: an invalid or rejected request holds no budget
@@ -100,32 +175,42 @@ class Dispatch:
         self.decode = reply.decode_instance
         if not self.decode:
             raise OpenAIError(503, "the gate admitted the request without a decode instance")
-        self.span.set_attribute("decode_instance", self.decode)
+        self.span.set_attribute("decode_instance" if not self.attempt else "retry_decode_instance", self.decode)
+        self.state.monitor.watch(self._watch, "decode", self.decode)  # fires at once if it is known gone
+        self.state.monitor.watch(self._watch, "prefill", self.prefill)
+        if self._abort_error is not None:  # one of them is known gone already
+            raise self._abort_error
 
         async def on_chunk(raw) -> None:
             self._chunks.put_nowait(raw)
 
-        self._sub = await self.bus.nc.subscribe(subjects.request_out(job.request_id), cb=on_chunk)  # before submit
+        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
         self.state.live.add(self)
         self._submitted = True  # a lost Ack may still mean the prefill took it: cancel on failure
         with trace.use_span(self.span, end_on_exit=False):
             try:
-                ack = await self.bus.request(subjects.prefill_submit(self.prefill), PrefillSubmit(
-                    job.request_id, job.prompt_ids, job.sampling, self.decode, job.session_id), Ack,
-                    timeout=s.submit_timeout_s)
-            except (*_BUS_ERRORS, MessageError) as e:
-                raise OpenAIError(503, f"prefill {self.prefill} unavailable ({type(e).__name__})",
-                                  code="service_unavailable", headers={"Retry-After": "1"}) from None
+                ack = await self._unless_aborted(self.bus.request(subjects.prefill_submit(self.prefill), PrefillSubmit(
+                    rid, job.prompt_ids, job.sampling, self.decode, job.session_id, job.tenant), Ack,
+                    timeout=s.submit_timeout_s))
+            except PayloadTooLarge as e:  # prepare() checks the size first: only a smaller server cap gets here
+                raise OpenAIError(413, f"the request is too large for the message bus: {e}",
+                                  code="request_too_large") from None
+            except _BUS_ERRORS as e:  # no responders (it is gone) or no Ack in time
+                raise InstanceLost("prefill", self.prefill, f"submit failed: {type(e).__name__}",
+                                   self.state.retry_after("prefill", self.prefill)) from None
+            except MessageError as e:
+                raise OpenAIError(503, f"prefill {self.prefill} sent a malformed Ack",
+                                  code="service_unavailable", headers=self.state.retry_after("prefill")) from e
         if not ack.ok:
             raise OpenAIError(503, f"prefill {self.prefill} refused the request: {ack.error}",
-                              code="service_unavailable", headers={"Retry-After": "1"})
+                              code="service_unavailable", headers=self.state.retry_after("prefill"))
 
     def _refusal(self, reply: AdmitReply) -> OpenAIError:
         metrics = self.state.metrics
         if reply.status == "invalid":
             metrics.admission_rejections.labels("invalid").inc()
             return OpenAIError(400, reply.reason or "the request can never be admitted")
-        retry = {"Retry-After": str(max(1, math.ceil(reply.retry_after_s or 1)))}
+        retry = {"Retry-After": str(max(1, math.ceil(reply.retry_after_s or 1)))}  # the gate's estimate
         if reply.status == "unavailable":
             metrics.admission_rejections.labels("no_decode").inc()
             return OpenAIError(503, reply.reason, code="service_unavailable", headers=retry)
@@ -152,13 +237,45 @@ class Dispatch:
             except MessageError as e:
                 self.log.warning("malformed token chunk", error=str(e))
                 continue
+            self.chunks += 1
             if chunk.finished:
                 self.finished = True
+            if (self.chunks >= 2 or chunk.finished) and self.prefill is not None:
+                # prefill sends the first token, decode every later one: prefill's part is done
+                self.state.monitor.unwatch(self._watch, "prefill", self.prefill)
             return chunk
 
     def abort(self, error: OpenAIError) -> None:
-        """End the wait for tokens with `error` (shutdown): the request then closes as usual."""
+        """End this attempt with `error` wherever it waits (its Ack or its tokens; chunks that already
+        arrived come first): the request then closes as usual. The first abort wins."""
+        if self._abort_error is not None:
+            return
+        self._abort_error = error
+        self._aborted.set()
         self._chunks.put_nowait(error)
+
+    def _on_gone(self, gone: Gone) -> None:
+        """The liveness monitor says an instance of this attempt is gone (called once)."""
+        self.log.warning("instance lost", lost_role=gone.role, lost_instance=gone.instance, reason=gone.reason)
+        self.span.add_event("instance_lost", {"role": gone.role, "instance": gone.instance, "reason": gone.reason})
+        role = gone.role if gone.role in ("prefill", "decode") else None
+        headers = self.state.retry_after(role, gone.instance) if role else self.state.retry_after("decode")
+        self.abort(InstanceLost(gone.role, gone.instance, gone.reason, headers))
+
+    async def _unless_aborted(self, coro):
+        """Await coro, unless abort() comes first: then raise its error."""
+        work = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled() and self._abort_error is not None:
+            raise self._abort_error
+        return work.result()
 
     async def close(self, reason: str) -> None:
         """Idempotent. Unsubscribe; Cancel if work may still be running; Release if admitted."""
@@ -166,13 +283,14 @@ class Dispatch:
             return
         self._closed = True
         self.state.live.discard(self)
+        self.state.monitor.unwatch(self._watch)
         with trace.use_span(self.span, end_on_exit=False):
             if self._sub is not None:
                 try:
                     await self._sub.unsubscribe()
                 except Exception:
                     pass
-            rid = self.job.request_id
+            rid = self.request_id
             if self._submitted and not self.finished:
                 await self._publish(self.bus.subjects.cancel(rid), Cancel(rid, reason))
             if self._must_release:

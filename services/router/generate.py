@@ -3,21 +3,28 @@ answer as one JSON body or as an SSE stream.
 
 Nothing reaches the bus until the request is known to be well formed, so a bad request leaves no trace
 anywhere else. The response starts only after the first token arrived, so admission refusals and
-errors before the first token get real HTTP statuses; later errors become one SSE error event. A
-client that goes away (while queued at the gate, before the first token, or mid-stream) ends the
-request: Dispatch.close sends Cancel and Release, exactly once.
+errors before the first token get real HTTP statuses; later errors become one SSE error event, then
+`data: [DONE]`. No plain-text 500 ever leaves: an unexpected error is an OpenAI error object too.
+
+When an instance serving the request fails or goes away (InstanceLost: not ready, silent, no responders,
+a 503 from the engines) before the client got any byte, the request is retried once on other instances
+(a new Dispatch: its own bus id, reservation and Release; the failed attempt is cancelled and released
+first). Afterwards, or when no other instance is there, it ends with a 503 (an SSE error event with code
+`service_unavailable` mid-stream). A client that goes away (while queued at the gate, before the first
+token, or mid-stream) ends the request: Dispatch.close sends Cancel and Release, exactly once per attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.router.dispatch import Dispatch, Job, RouterState
+from services.router.dispatch import Avoid, Dispatch, InstanceLost, Job, RouterState
 from services.router.metrics import CLIENT_CLOSED
 from services.router.prepare import prepare
 from services.router.responses import DONE, Shaper, make_usage, sse
@@ -28,17 +35,35 @@ from shared.tracing import extract_context, get_tracer
 
 tracer = get_tracer("services.router")
 _background: set[asyncio.Task] = set()  # cleanups that must finish even if their request task is cancelled
+MAX_ATTEMPTS = 2
+INTERNAL_ERROR = "internal error in the router"
 
 
 class ClientGone(Exception):
     pass
 
 
-def chunk_error(chunk: TokenChunk) -> OpenAIError:
+def chunk_error(chunk: TokenChunk, dispatch: Dispatch) -> OpenAIError:
+    """The client's error for an error chunk, by its status: 503 means an instance on the request's path
+    failed (prefill's engine, the KV handoff to decode, a landing that timed out), so it is InstanceLost
+    with a stable message; the engines' own text goes to the log only."""
     err = chunk.error or {}
     status = err.get("status")
     status = status if isinstance(status, int) and 400 <= status <= 599 else 500
-    return OpenAIError(status, str(err.get("message") or "generation failed"), type=err.get("type") or None)
+    message = str(err.get("message") or "generation failed")
+    if status == 503:
+        dispatch.log.warning("instance failed the request", error=message)
+        return InstanceLost(None, None, message, dispatch.state.retry_after("decode", dispatch.decode))
+    return OpenAIError(status, message, type=err.get("type") or None)
+
+
+@dataclass
+class Outcome:
+    """How the request ended, for _finish (set as it goes)."""
+    status: int = 500
+    usage: dict | None = None
+    reason: str = "error"
+    handed_off: bool = False  # a stream took over: it calls _finish itself
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -80,50 +105,95 @@ class Generation:
         self._finished = False
 
     async def run(self) -> Response:
-        status, usage, reason, handed_off = 500, None, "error", False
+        out = self.outcome = Outcome()
         try:
             job, body = await prepare(self.state, self.request, self.chat, self.request_id,
                                       self.session_id)
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
                                       "stream": bool(body.stream)})
             self.state.metrics.in_flight.inc()
-            self.dispatch = Dispatch(self.state, job, self.span, self.log,
-                                     self.t0 + self.state.settings.request_timeout_s)
             shaper = Shaper(self.chat, self.request_id, body.model, body.include_usage)
-            await self._unless_gone(self.dispatch.start())
-            first = await self._unless_gone(self.dispatch.next_chunk())
-            if first.error:
-                raise chunk_error(first)
-            ttft = self.state.clock() - self.t0
-            self.state.metrics.ttft.labels(self.endpoint).observe(ttft)
-            self.span.set_attribute("ttft_ms", round(ttft * 1000, 2))
-            headers = {"X-Request-ID": self.request_id}
-            if body.stream:
-                handed_off = True
-                return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
-                               headers={**headers, "Cache-Control": "no-cache"})
-            text, final = await self._unless_gone(self._collect(first))
-            usage = make_usage(final, len(job.prompt_ids), self.completion_tokens)
-            status, reason = 200, "finished"
-            return JSONResponse(shaper.full(text, final.finish_reason or "stop", usage), headers=headers)
+            return await self._attempts(job, body, shaper)
         except OpenAIError as e:
-            status, reason = e.status, ("timeout" if e.status == 504 else "error")
+            out.status, out.reason = e.status, ("timeout" if e.status == 504 else "error")
             if e.status >= 500:
-                self.log.warning("request failed", status=e.status, error=e.message)
+                self.log.warning("request failed", status=e.status, error=e.message,
+                                 **({"detail": e.detail} if isinstance(e, InstanceLost) else {}))
             e.headers.setdefault("X-Request-ID", self.request_id)
             return e.response()
         except ClientGone:
-            status, reason = CLIENT_CLOSED, "client_disconnect"
+            out.status, out.reason = CLIENT_CLOSED, "client_disconnect"
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it
         except asyncio.CancelledError:
-            status, reason = CLIENT_CLOSED, "cancelled"
-            raise
+            task = asyncio.current_task()
+            if task is None or task.cancelling():  # this request was cancelled (server shutdown)
+                out.status, out.reason = CLIENT_CLOSED, "cancelled"
+                raise
+            # a CancelledError that leaked out of a library: uvicorn would answer it with a plain-text 500
+            self.log.warning("request interrupted")
+            out.status = 503
+            return OpenAIError(503, "the request was interrupted", code="service_unavailable",
+                               headers={"Retry-After": "1", "X-Request-ID": self.request_id}).response()
         except Exception:
             self.log.exception("request failed")
-            return OpenAIError(500, "internal error in the router").response()
+            return OpenAIError(500, INTERNAL_ERROR, headers={"X-Request-ID": self.request_id}).response()
         finally:
-            if not handed_off:
-                await self._finish(status, usage, reason)
+            if not out.handed_off:
+                await self._finish(out.status, out.usage, out.reason)
+
+    async def _attempts(self, job: Job, body, shaper: Shaper) -> Response:
+        """At most MAX_ATTEMPTS dispatches: another one only after InstanceLost, while the client has
+        received nothing."""
+        deadline, avoid = self.t0 + self.state.settings.request_timeout_s, Avoid()
+        for attempt in range(MAX_ATTEMPTS):
+            self.dispatch = Dispatch(self.state, job, self.span, self.log, deadline, attempt, avoid)
+            try:
+                return await self._attempt(job, body, shaper)
+            except InstanceLost as lost:
+                avoid = self._retry_plan(lost, attempt, deadline)
+                if avoid is None:
+                    raise
+                self.log.warning("retrying on other instances", failed_role=lost.role,
+                                 failed_instance=lost.instance, detail=lost.detail, avoid=vars(avoid))
+                self.span.add_event("retry", {"failed_role": lost.role or "", "detail": lost.detail})
+                self.state.metrics.retries.labels(lost.role or "unknown").inc()
+                self.completion_tokens = 0
+                await self.dispatch.close("retry")  # Cancel + Release of the failed attempt, once
+        raise AssertionError("unreachable")
+
+    def _retry_plan(self, lost: InstanceLost, attempt: int, deadline: float) -> Avoid | None:
+        """What a retry avoids, or None when there is to be no retry (the last attempt, past the deadline,
+        the router's bus lost, or no other ready instance of the role that failed)."""
+        d, state = self.dispatch, self.state
+        if attempt + 1 >= MAX_ATTEMPTS or state.clock() >= deadline or lost.role == "bus":
+            return None
+        if lost.role == "prefill":
+            return Avoid(prefill=lost.instance) if state.others("prefill", lost.instance) else None
+        if lost.role == "decode":
+            return Avoid(decode=lost.instance) if state.others("decode", lost.instance) else None
+        # an error chunk does not say which of the two failed: stay away from both where others are ready
+        return Avoid(prefill=d.prefill if state.others("prefill", d.prefill) else None,
+                     decode=d.decode if state.others("decode", d.decode) else None)
+
+    async def _attempt(self, job: Job, body, shaper: Shaper) -> Response:
+        """One dispatch up to the response: a stream once the first token is there, else the whole body."""
+        out = self.outcome
+        await self._unless_gone(self.dispatch.start())
+        first = await self._unless_gone(self.dispatch.next_chunk())
+        if first.error:
+            raise chunk_error(first, self.dispatch)
+        ttft = self.state.clock() - self.t0
+        self.state.metrics.ttft.labels(self.endpoint).observe(ttft)
+        self.span.set_attribute("ttft_ms", round(ttft * 1000, 2))
+        headers = {"X-Request-ID": self.request_id}
+        if body.stream:
+            out.handed_off = True
+            return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
+                           headers={**headers, "Cache-Control": "no-cache"})
+        text, final = await self._unless_gone(self._collect(first))
+        out.usage = make_usage(final, len(job.prompt_ids), self.completion_tokens)
+        out.status, out.reason = 200, "finished"
+        return JSONResponse(shaper.full(text, final.finish_reason or "stop", out.usage), headers=headers)
 
     async def _unless_gone(self, coro):
         """Await coro, but give up (ClientGone) as soon as the client disconnects."""
@@ -139,14 +209,17 @@ class Generation:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
         if work.cancelled():
-            raise ClientGone()
+            if watch.done() and not watch.cancelled():
+                raise ClientGone()
+            raise OpenAIError(503, "the request was interrupted", code="service_unavailable",
+                              headers={"Retry-After": "1"})  # cancelled inside, not by the client
         return work.result()
 
     async def _collect(self, chunk: TokenChunk) -> tuple[str, TokenChunk]:
         parts = []
         while True:
             if chunk.error:
-                raise chunk_error(chunk)
+                raise chunk_error(chunk, self.dispatch)
             parts.append(chunk.text)
             self.completion_tokens += len(chunk.token_ids)
             if chunk.finished:
@@ -160,7 +233,7 @@ class Generation:
                 yield sse(shaper.role_chunk())
             while True:
                 if chunk.error:
-                    err = chunk_error(chunk)
+                    err = chunk_error(chunk, self.dispatch)
                     status, reason = err.status, "error"
                     yield sse(err.body())
                     yield DONE
@@ -178,14 +251,18 @@ class Generation:
                     return
                 try:
                     chunk = await self.dispatch.next_chunk()
-                except OpenAIError as e:  # deadline passed (504) or the router is shutting down (503)
+                except OpenAIError as e:  # deadline (504), shutdown (503), an instance lost (503)
                     status, reason = e.status, ("timeout" if e.status == 504 else "error")
+                    self.log.warning("stream failed", status=e.status, error=e.message,
+                                     **({"detail": e.detail} if isinstance(e, InstanceLost) else {}))
                     yield sse(e.body())
                     yield DONE
                     return
         except Exception:
             status, reason = 500, "error"
             self.log.exception("stream failed")
+            yield sse(OpenAIError(500, INTERNAL_ERROR).body())  # the client still gets an end it can parse
+            yield DONE
         finally:
             await self._finish(status, usage, reason)
 

@@ -7,9 +7,14 @@ the resident prefix of a prompt on an instance is the number of its leading bloc
 
 Events are advisory: a lost "stored" costs hit rate, a lost "removed" makes the router overestimate
 (the prefill recomputes what is missing). Memory is bounded: at most `max_blocks` hashes per instance
-(the oldest go first) and `max_store_chunks` store digests. Store-medium events feed a global count only:
-the shared pool serves every instance alike, so it does not change which one is chosen.
-Unknown event types or media (a later "transferred", "ssd") are ignored; malformed events are counted.
+(the oldest go first) and `max_store_chunks` store digests. Store-medium events (chunk digests) feed one
+global table: prefills say "stored" after a save; the master says "removed" when a chunk leaves the pool
+(evicted, its store gone) and "cleared" when the pool lost everything, so the table follows the pool
+(services/master/store_events.py). The shared pool serves every instance alike, so it does not change
+which one is chosen; `store_prefix` says how much of a prompt the pool holds.
+"transferred" events (a prefill handed a request's blocks to a decode instance) are counted only: decode
+instances take no new prompts. Unknown event types or media ("ssd") are ignored; malformed events are
+counted.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from shared.hashing import DIGEST_BYTES
 DEFAULT_MAX_BLOCKS = 1 << 21        # per instance: 2M blocks = 32M tokens, above any device cache
 DEFAULT_MAX_STORE_CHUNKS = 1 << 21  # store digests kept for the count
 EVENT_TYPES = ("stored", "removed", "cleared")
+COUNTED_TYPES = ("transferred",)  # known, no state here
 
 
 class KVIndex:
@@ -34,6 +40,7 @@ class KVIndex:
         self.applied = 0    # events applied (or ignored as unknown type / medium)
         self.malformed = 0  # events dropped as malformed
         self.evicted = 0    # hashes dropped to stay under the caps
+        self.counts: dict[str, int] = {}  # "<type>/<medium>" -> events applied
 
     # ---- events ------------------------------------------------------------------------------------
     def apply(self, instance: str, events: object) -> int:
@@ -54,8 +61,11 @@ class KVIndex:
             return False
         if any(not isinstance(h, bytes) or len(h) != DIGEST_BYTES for h in hashes):
             return False
-        if kind not in EVENT_TYPES or medium not in ("device", "store"):
+        if kind not in EVENT_TYPES + COUNTED_TYPES or medium not in ("device", "store"):
             return True  # a newer publisher: nothing for this index, not an error
+        self.counts[f"{kind}/{medium}"] = self.counts.get(f"{kind}/{medium}", 0) + 1
+        if kind in COUNTED_TYPES:
+            return True
         if medium == "store":
             self._change(self._store, kind, hashes, self.max_store_chunks)
             return True
@@ -97,6 +107,16 @@ class KVIndex:
         while n < len(hashes) and hashes[n] in table:
             n += 1
         return n
+
+    def store_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
+        """Number of leading chunk digests the pool holds, as far as the events say."""
+        n = 0
+        while n < len(chunk_hashes) and chunk_hashes[n] in self._store:
+            n += 1
+        return n
+
+    def store_holds(self, digest: bytes) -> bool:
+        return digest in self._store
 
     def blocks(self, instance: str) -> int:
         table = self._device.get(instance)

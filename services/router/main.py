@@ -85,7 +85,7 @@ async def serve(ctx: ServiceContext) -> None:
 
     def load_report() -> LoadReport:
         return LoadReport(ctx.instance, "router", True, running=state.metrics.in_flight_count(),
-                          detail={"http": url})
+                          detail={"http": url, "boot": state.boot})
 
     ctx.load_report = load_report
     server = _EmbeddedServer(uvicorn.Config(
@@ -98,8 +98,8 @@ async def serve(ctx: ServiceContext) -> None:
         sock.close()
         task.result()  # re-raises why it could not start
         raise RuntimeError("the HTTP server stopped during startup")
-    log.info("http listening", url=url, model=s.model_name,
-             max_context=state.context_limit, routing=s.routing, auth=bool(s.api_keys))
+    log.info("http listening", url=url, model=s.model_name, tenants=len(set(s.api_key_tenants.values())),
+             max_context=state.context_limit, routing=s.routing, auth=bool(s.key_tenants))
 
     async def stop_http() -> None:
         """Stop accepting; give open requests graceful_shutdown_s; then end the rest with a 503 (an SSE

@@ -34,6 +34,8 @@ class RouterMetrics:
         self.admission_rejections = Counter("moorage_router_admission_rejections",
                                             "Requests the gate did not admit", ["reason"], registry=r)
         self.in_flight = Gauge("moorage_router_in_flight_requests", "Requests being served now", registry=r)
+        self.retries = Counter("moorage_router_retries", "Requests retried on other instances after one failed "
+                               "or went away, by the failed instance's role", ["role"], registry=r)
         self.routed = Counter("moorage_router_routed", "Prefill choices by what decided them", ["reason"],
                               registry=r)
         self.resident_prefix = Histogram("moorage_router_resident_prefix_tokens",

@@ -1,6 +1,7 @@
-"""From an HTTP request to a Job, touching nothing but the request: API key, body, model name, prompt
-token ids (chat template or raw prompt), context-length check, sampling parameters (with a seed fixed
-here when the client sampled without one). Every failure is an OpenAIError with a 4xx status.
+"""From an HTTP request to a Job, touching nothing but the request: API key (and its tenant), body, model
+name, prompt token ids (chat template or raw prompt), context-length check, sampling parameters (with a
+seed fixed here when the client sampled without one), and the size of the bus messages it will need.
+Every failure is an OpenAIError with a 4xx status.
 """
 
 from __future__ import annotations
@@ -15,20 +16,43 @@ from pydantic import ValidationError
 from services.router.dispatch import Job, RouterState
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, from_validation_error
 from shared.engine.sampling import SamplingParams
+from shared.messages import PrefillSubmit
 
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
 _TOKENIZE_IN_THREAD = 64 * 1024  # bodies larger than this are tokenized off the event loop
+_BUS_ROOM = 4096  # bytes the request's bus messages may add to its PrefillSubmit (instance names, the
+#                   handoff's own fields): a request that passes here fits every message it causes
 
 
-def authorize(state: RouterState, request: Request) -> None:
-    keys = state.settings.api_keys
+def authorize(state: RouterState, request: Request) -> str:
+    """The tenant of the request's API key: "" (the deployment's KV namespace) without keys or for a key
+    of router.api_keys. A missing or unknown key is a 401. Every key is compared (no early exit)."""
+    keys = state.settings.key_tenants
     if not keys:
-        return
+        return ""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+    token = token.strip().encode()
+    tenant = None
+    for key, name in keys.items():
+        if hmac.compare_digest(token, key.encode()):
+            tenant = name
+    if scheme.lower() != "bearer" or tenant is None:
         raise OpenAIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
                           code="invalid_api_key")
+    return tenant
+
+
+def check_bus_size(state: RouterState, job: Job, chat: bool) -> None:
+    """413 when the request's PrefillSubmit (prompt ids packed, 4 bytes each) would not fit the bus."""
+    cap = state.bus.max_message_bytes
+    fixed = len(PrefillSubmit(job.request_id, [], job.sampling, "", job.session_id, job.tenant).encode())
+    size = fixed + 5 + 4 * len(job.prompt_ids) + _BUS_ROOM
+    if size > cap:
+        where = "messages" if chat else "prompt"
+        raise OpenAIError(413, f"This request is too large: it needs a {size}-byte message and the bus takes at "
+                               f"most {cap} bytes (a prompt of up to about {(cap - fixed - _BUS_ROOM) // 4} "
+                               f"tokens). Please reduce the length of the {where}.", param=where,
+                          code="request_too_large")
 
 
 def check_model(state: RouterState, model: str) -> None:
@@ -72,7 +96,7 @@ def _max_tokens(state: RouterState, requested: int | None, prompt_tokens: int, c
 
 async def prepare(state: RouterState, request: Request, chat: bool, request_id: str, session_id: str | None):
     """(Job, parsed body), or OpenAIError."""
-    authorize(state, request)
+    tenant = authorize(state, request)
     raw = await request.body()
     cls = ChatCompletionRequest if chat else CompletionRequest
     try:
@@ -98,4 +122,6 @@ async def prepare(state: RouterState, request: Request, chat: bool, request_id: 
         SamplingParams(**{**sampling, "stop": tuple(sampling["stop"])})
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
-    return Job(request_id, session_id, prompt_ids, max_tokens, sampling), body
+    job = Job(request_id, session_id, prompt_ids, max_tokens, sampling, tenant=tenant)
+    check_bus_size(state, job, chat)
+    return job, body

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from services.router.kv_index import KVIndex
-from shared.hashing import BLOCK_TOKENS, chain_hashes, namespace_seed
+from shared.hashing import BLOCK_TOKENS, chain_hashes
+from shared.kv_tenant import KVNamespace
 from shared.messages import LoadReport
 
 DEFAULT_MAX_IMBALANCE_TOKENS = 16384
@@ -58,13 +59,17 @@ class InstanceLoad:
 
 
 class LoadTable:
-    """Latest report per (role, instance). Reports older than `instance_timeout_s` are stale."""
+    """Latest report per (role, instance). Reports older than `instance_timeout_s` are stale.
+    `listeners` hear every report as it arrives (the router's liveness watch on in-flight requests)."""
 
     def __init__(self, instance_timeout_s: float):
         self.instance_timeout_s = instance_timeout_s
         self._loads: dict[tuple[str, str], InstanceLoad] = {}
+        self.listeners: list[Callable[[LoadReport, float], None]] = []
 
     def update(self, report: LoadReport, now: float) -> None:
+        for listener in self.listeners:
+            listener(report, now)
         self._loads[(report.role, report.instance)] = InstanceLoad(
             report.instance, report.role, report.ready, now, report.queued_tokens, report.running,
             report.waiting, report.free_tokens, report.capacity_tokens, kv_namespace=kv_namespace(report))
@@ -95,6 +100,7 @@ class PickRequest:
     prompt_tokens: int = 0
     prompt_ids: Sequence[int] = ()   # for the cache-aware strategy (block hashes)
     resident: dict[str, int] | None = None  # set by CacheAware: resident prefix blocks per instance
+    tenant: str = ""                 # the request's KV namespace salt: only its tenant's blocks count
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,8 @@ class CacheAware:
                 continue
             chain = chains.get(c.kv_namespace)
             if chain is None:
-                chain = chains[c.kv_namespace] = _PromptChain(req.prompt_ids, namespace_seed(c.kv_namespace))
+                seed = KVNamespace.of(c.kv_namespace, req.tenant).seed  # the request's tenant's chain
+                chain = chains[c.kv_namespace] = _PromptChain(req.prompt_ids, seed)
             n = 0
             while True:
                 n = self.index.longest_prefix(c.instance, chain.hashes, n)
@@ -244,11 +251,12 @@ class PrefillPicker:
         self._unreported = unreported
 
     def pick(self, session_id: str | None, now: float, prompt_tokens: int = 0,
-             prompt_ids: Sequence[int] = ()) -> str | None:
-        candidates = self.loads.fresh("prefill", now)
+             prompt_ids: Sequence[int] = (), exclude: Collection[str] = (), tenant: str = "") -> str | None:
+        """The prefill for a request; never one in `exclude` (where a first attempt failed)."""
+        candidates = [c for c in self.loads.fresh("prefill", now) if c.instance not in exclude]
         if not candidates:
             return None
-        req = PickRequest(session_id, now, prompt_tokens, prompt_ids)
+        req = PickRequest(session_id, now, prompt_tokens, prompt_ids, tenant=tenant)
         choice, reason = None, "load"
         for strategy in self.strategies:
             choice = strategy(candidates, req)

@@ -1,7 +1,11 @@
 """Request bodies of the OpenAI API (the fields the router honours) and OpenAI-shaped errors.
 
 Validation is strict about the types of known fields (a string where a number belongs is a 400, not a
-silent coercion) and tolerant of unknown fields (ignored), as OpenAI clients send many.
+silent coercion) and tolerant of unknown fields (ignored), as OpenAI clients send many. OpenAI features
+the router does not implement (logprobs, tools / functions, n > 1, best_of, echo, suffix, a non-text
+response_format) are a 400 naming the field, never silently ignored; their neutral values (n=1,
+logprobs=false, response_format={"type": "text"}, ...) are accepted. The models double as the request
+bodies of the published OpenAPI schema (app.py).
 """
 
 from __future__ import annotations
@@ -68,6 +72,20 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = False
 
 
+class ResponseFormat(_Lenient):
+    type: str
+
+
+def _reject(field: str, what: str, *neutral):
+    """A validator for an unimplemented feature: `field` may be None or a `neutral` value (same type and
+    value: False is not 0), anything else is a 400 naming the field."""
+    def check(cls, v):
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
+            raise ValueError(f"{what} not supported by this server")
+        return v
+    return field_validator(field)(classmethod(check))
+
+
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
@@ -111,7 +129,7 @@ class _GenerationRequest(_Lenient):
     @classmethod
     def _one_choice(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
+            raise ValueError("n other than 1 is not supported by this server (one choice per request)")
         return v
 
     @field_validator("stop")
@@ -140,6 +158,29 @@ class _GenerationRequest(_Lenient):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    # not implemented: only their neutral values are accepted
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    _no_logprobs = _reject("logprobs", "logprobs are", False)
+    _no_top_logprobs = _reject("top_logprobs", "top_logprobs are", 0)
+    _no_tools = _reject("tools", "tools (tool calling) are", [])
+    _no_tool_choice = _reject("tool_choice", "tool_choice other than 'none' or 'auto' is", "none", "auto")
+    _no_functions = _reject("functions", "functions (function calling) are", [])
+    _no_function_call = _reject("function_call", "function_call other than 'none' or 'auto' is", "none", "auto")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format of type {v.type!r} is not supported by this server (only 'text')")
+        return v
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -150,6 +191,16 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
+    # not implemented: only their neutral values are accepted
+    logprobs: bool | int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _no_logprobs = _reject("logprobs", "logprobs are", False)
+    _no_echo = _reject("echo", "echo is", False)
+    _no_suffix = _reject("suffix", "suffix is", "")
+    _no_best_of = _reject("best_of", "best_of other than 1 is", 1)
 
     @field_validator("prompt")
     @classmethod

@@ -77,22 +77,25 @@ class BlockManager:
 
     # ---- hashing and matching ----------------------------------------------------------------------
     def _hash_chain(self, token_ids: Sequence[int], start: int, stop: int, prev: bytes | None) -> list[bytes]:
-        """Hashes of blocks [start, stop); prev is block start-1's hash (None: start from the seed)."""
+        """Hashes of blocks [start, stop); prev is block start-1's hash, or at start 0 the chain's seed
+        (a request's tenant namespace; None: this manager's own seed)."""
         return chain_hashes(token_ids[: stop * self.block_size], self.block_size, self.hash_seed,
                             start_unit=start, prev=prev)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self._hash_chain(token_ids, 0, len(token_ids) // self.block_size, None)
+    def block_hashes(self, token_ids: Sequence[int], seed: bytes | None = None) -> list[bytes]:
+        return self._hash_chain(token_ids, 0, len(token_ids) // self.block_size, seed)
 
     def _block_tokens(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
         return tuple(int(t) for t in token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
-        """Longest cached run of leading full blocks. Read-only: `acquire` the result to keep it."""
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
+                     seed: bytes | None = None) -> PrefixMatch:
+        """Longest cached run of leading full blocks (under `seed`'s chain). Read-only: `acquire` the
+        result to keep it."""
         limit = len(token_ids) if max_tokens is None else min(len(token_ids), max(max_tokens, 0))
         ids: list[int] = []
         hashes: list[bytes] = []
-        for i, h in enumerate(self._hash_chain(token_ids, 0, limit // self.block_size, None)):
+        for i, h in enumerate(self._hash_chain(token_ids, 0, limit // self.block_size, seed)):
             b = self._index.get(h)
             # Collision guard: a hash hit must also hold the very same tokens.
             if b is None or self._tokens[b] != self._block_tokens(token_ids, i):
@@ -165,7 +168,7 @@ class BlockManager:
 
     # ---- registration ------------------------------------------------------------------------------
     def register_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int], num_full_blocks: int,
-                             start_block: int = 0) -> list[bytes]:
+                             start_block: int = 0, seed: bytes | None = None) -> list[bytes]:
         """Blocks [start_block, num_full_blocks) of a block table now hold computed KV: hash and index them.
 
         Returns their hashes. Emits BlockStored for the newly indexed ones: one event per contiguous
@@ -189,7 +192,7 @@ class BlockManager:
             parent = self._hash[block_ids[start_block - 1]]
             if parent is None:
                 raise ValueError(f"register: parent block {block_ids[start_block - 1]} is not registered")
-        hashes = self._hash_chain(token_ids, start_block, num_full_blocks, parent)
+        hashes = self._hash_chain(token_ids, start_block, num_full_blocks, parent if start_block else seed)
         for b, h in zip(span, hashes):  # validate: a block's content never changes once hashed
             if self._hash[b] is not None and self._hash[b] != h:
                 raise ValueError(f"register: block {b} already holds a different prefix")

@@ -27,6 +27,7 @@ from shared.engine.stopping import check_stop
 from shared.hashing import namespace_seed
 from shared.kv_events import KVEvent
 from shared.kv_layout import KVLayout, allocate_pages
+from shared.kv_tenant import KVNamespace
 from shared.logging import get_logger
 
 log = get_logger("engine")
@@ -107,20 +108,26 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.config.num_blocks * self.layout.block_size
 
+    def kv_namespace(self, tenant: str = "") -> KVNamespace:
+        """A tenant's KV namespace: its prefix cache entries and pool objects are its own."""
+        return KVNamespace.of(self.namespace, tenant)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     retain_kv: bool = False, prefill_only: bool = False, pinned_blocks: list[int] = (),
-                    restored_range: tuple[int, int] = (0, 0)) -> Sequence:
+                    restored_range: tuple[int, int] = (0, 0), tenant: str = "") -> Sequence:
         """Queue a request. `retain_kv`: on finish its block table passes to the caller. `prefill_only`:
         finish after the first token; if that token did not end the request, the reason is
         "prefilled" and the block table passes to the caller (for the handoff). `pinned_blocks`: one
-        reference the caller gives up once the request is admitted (or rejected here)."""
+        reference the caller gives up once the request is admitted (or rejected here). `tenant`: its
+        prefix cache entries are matched and registered under that tenant's namespace only."""
         try:
             self._validate(request_id, prompt_ids, params)
         except ValueError:
             self.block_manager.release(reversed(list(pinned_blocks)))
             raise
         seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only,
-                       pinned_blocks=list(pinned_blocks), restored_range=restored_range)
+                       pinned_blocks=list(pinned_blocks), restored_range=restored_range,
+                       hash_seed=self.kv_namespace(tenant).seed if tenant else None)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -234,7 +241,7 @@ class Engine:
         full = seq.num_computed // self.layout.block_size
         if full > seq.num_registered_blocks:
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, full,
-                                                    start_block=seq.num_registered_blocks)
+                                                    start_block=seq.num_registered_blocks, seed=seq.hash_seed)
             seq.num_registered_blocks = full
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:

@@ -48,6 +48,7 @@ class EngineLoop:
         self._step_started: float | None = None  # clock() when the running step began
         self._pending: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) whenever engine state may have changed
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -86,7 +87,23 @@ class EngineLoop:
         with self.engine.lock:
             result = fn()
         self._wake.set()  # an idle loop has work now
+        self._pulse()
         return result
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> bool:
+        """Wait until engine state may have changed (a step ended, a call ran: blocks may be free now),
+        at most `timeout` seconds; False on timeout. Waiters re-check their own condition."""
+        if timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -99,6 +116,8 @@ class EngineLoop:
             else:
                 if not fut.done():
                     fut.set_result(result)
+        if pending:
+            self._pulse()
 
     async def run_in_worker(self, fn: Callable[[], Any]) -> Any:
         """Bulk tensor work (gather/scatter) off the event loop, beside the engine thread."""
@@ -157,6 +176,7 @@ class EngineLoop:
                     await self._report_failed(e.request_ids, f"engine step failed: {e}")
                     continue
                 self.steps += 1
+                self._pulse()
                 if outputs:
                     await self.on_outputs(outputs)
                 if not self.engine.stalled:

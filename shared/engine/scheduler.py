@@ -143,7 +143,8 @@ class Scheduler:
         if seq.status is SeqStatus.WAITING and not seq.block_table and self.enable_prefix_cache:
             cached = self._cached_estimate.get(seq)
             if cached is None:  # a read-only look, once: ordering needs an estimate, not a promise
-                cached = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1).num_tokens
+                cached = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1,
+                                              seed=seq.hash_seed).num_tokens
                 self._cached_estimate[seq] = cached
             remaining -= cached
         waited_s = max(0, now_ns - seq.arrival_ns) / 1e9
@@ -205,7 +206,7 @@ class Scheduler:
         if seq.block_table or not self.enable_prefix_cache:
             return
         # Leave at least one token to compute: its logits choose the next token.
-        match = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1)
+        match = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1, seed=seq.hash_seed)
         if match.block_ids:
             self.bm.acquire(match.block_ids)
             seq.block_table = list(match.block_ids)

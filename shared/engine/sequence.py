@@ -46,6 +46,8 @@ class Sequence:
     # Prefill instances stop a request after its first token (finish reason "prefilled") and hand
     # its KV to decode; implies retain_kv.
     prefill_only: bool = False
+    # Seed of this request's block hash chain (its tenant's KV namespace); None: the engine's own.
+    hash_seed: bytes | None = None
     # Wall-clock marks (ns) for traces: queued -> first scheduled -> first token.
     arrival_ns: int = field(default_factory=time.time_ns)
     first_scheduled_ns: int = 0

@@ -1,0 +1,66 @@
+"""The restore soak at its CI size (bench/soak.py --quick): a real system (tiny model, 2 small stores that
+evict all the time, a device cache of ~2 prompts) taking a few hundred save -> evict -> restore turns
+across sessions, with chunks removed mid-history, first chunks overwritten with garbage, and store-1
+killed halfway (and restarted by `moorage up`). Every output must equal the from-scratch one, and
+no removed or corrupted chunk may ever be served."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.soak import QUICK, run_soak
+
+pytestmark = pytest.mark.slow  # a couple of minutes: `make test` runs it, `make test-fast` does not
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory):
+    return run_soak(QUICK, str(tmp_path_factory.mktemp("soak")))
+
+
+def test_every_turn_matches_from_scratch(soak):
+    c = soak["counts"]
+    print("\nsoak counts:", {k: v for k, v in c.items()})
+    assert c["cycles"] == QUICK.cycles and c["errors"] == 0
+    assert c["mismatches"] == 0
+    assert all(r["ok"] for r in soak["records"] if "ok" in r)
+
+
+def test_the_soak_exercised_what_it_claims(soak):
+    c, o = soak["counts"], soak["counts"]["outcomes"]
+    assert c["restores"] >= QUICK.cycles // 4        # the pool served a good share of the turns
+    assert o["restored"] > 0 and o["fresh"] > 0
+    assert c["partial_restores"] + c["misses"] > 0  # the small pool lost history along the way
+    assert c["midway_evictions"] > 0 and c["corruptions"] > 0
+    aligned = {r["prompt_tokens"] % QUICK.chunk_tokens for r in soak["records"] if "prompt_tokens" in r}
+    assert {0, 1, QUICK.chunk_tokens - 1} <= aligned  # at, after and before chunk boundaries
+
+
+def test_removed_or_corrupted_chunks_are_never_served(soak):
+    c = soak["counts"]
+    assert c["served_bad_chunk"] == 0
+    cut_turns = [r for r in soak["records"] if r.get("bad_chunk") is not None]
+    assert cut_turns and all(r["ok"] for r in cut_turns)
+
+
+def test_corrupted_object_is_a_verify_failure_then_a_recompute(soak):
+    """Garbage under a chunk's key: the prefill's checksum rejects it (its verify_failures counter
+    goes up), the chunk is computed instead, and the output is still the from-scratch one."""
+    corrupted = [r for r in soak["records"] if r.get("bad_chunk") == 0]
+    assert corrupted and all(r["ok"] and r["store"] == 0 for r in corrupted if r["device"] == 0)
+    assert soak["counts"]["verify_failures"] >= 1
+    assert soak["counts"]["verify_failures"] <= soak["counts"]["corruptions"]
+
+
+def test_store_restarted_midway(soak):
+    assert soak["counts"]["store_restarts"] == 1
+    assert soak["launcher_restarts"].get("store-1", 0) >= 1
+
+
+def test_router_store_index_follows_the_pool(soak):
+    """Store-tier events under real churn: the master reported what the pool evicted, so once quiet the
+    router's store index holds exactly the pool's chunks, no more than the pool can hold."""
+    idx = soak["store_index"]
+    assert idx["master_store_events"]["removed"] > 0
+    assert idx["router_store_chunks"] == idx["pool_chunks"]
+    assert idx["pool_chunks"] <= 2 * QUICK.store_bytes // (1 << 20)  # tiny: 1 MiB per 256-token chunk

@@ -1,0 +1,275 @@
+"""`moorage up` heals itself: Restart=on-failure for every service and the nats-server, and a launcher
+killed with kill -9 takes every child along and leaves nothing the next start cannot clean.
+
+The first tests drive the Supervisor with small real processes; the rest run the real system on the tiny
+model, kill -9 one process at a time and measure the time from the kill to the first request that
+succeeds again (printed; run with -s to see it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.config import ConfigError, load_config
+from shared.procs import ProcId, wait_gone
+from shared.runstate import clean_stale, read_state, write_state
+from shared.supervise import RestartPolicy, Supervisor, describe_exit
+from shared.up import NATS_CHILD, UpConfig, launched
+from tests.natsbus import free_port, latest_reports
+
+FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, reset_after_s=60)
+
+
+# --- the policy and the supervisor, with small processes ---------------------------------------------
+
+def test_backoff_doubles_to_its_cap():
+    p = RestartPolicy()
+    assert [p.delay(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
+    assert p.restarts(1) and p.restarts(-9) and not p.restarts(0)
+    assert not RestartPolicy(mode="no").restarts(-9)
+    with pytest.raises(ConfigError):
+        RestartPolicy(mode="always")
+    with pytest.raises(ConfigError, match="restart"):
+        load_config(UpConfig, overrides=["up.restart_backoff_s=0"], env={})
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exit code 3"
+
+
+class Events:
+    """Collects the supervisor's console lines; wait_for blocks until one matches (no polling)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+
+    def say(self, line: str) -> None:
+        with self.cond:
+            self.lines.append(line)
+            self.cond.notify_all()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 10.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: sum(text in x for x in self.lines) >= count, timeout), self.lines
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def test_a_crashed_child_is_restarted_with_backoff_and_the_others_keep_running():
+    ev = Events()
+    sup = Supervisor(FAST, say=ev.say)
+    try:
+        a, b = sup.add("a", sleeper), sup.add("b", sleeper)
+        sup.arm()
+        a.kill()
+        ev.wait_for("a restarted")
+        first = sup.children["a"].process
+        assert first.pid != a.pid and first.poll() is None
+        assert b.poll() is None and sup.children["b"].restarts == 0  # untouched
+        first.kill()
+        ev.wait_for("a restarted", 2)
+        assert sup.children["a"].restarts == 2 and sup.children["a"].failures == 2
+        assert any("restarting in 0.1 s" in x for x in ev.lines)  # the second crash in a row waits twice as long
+    finally:
+        sup.stop(5)
+    assert all(c.process.poll() is not None for c in sup.children.values())
+
+
+def test_a_clean_exit_is_not_restarted_and_a_start_up_crash_is_reported():
+    ev = Events()
+    sup = Supervisor(FAST, say=ev.say)
+    try:
+        sup.add("early", lambda: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
+        assert sup.failed_event.wait(10) and sup.failed == ["early"]
+        assert sup.children["early"].last_exit == "exit code 3" and sup.children["early"].restarts == 0
+        sup.arm()
+        done = sup.add("done", lambda: subprocess.Popen([sys.executable, "-c", "pass"]))
+        ev.wait_for("done stopped (exit code 0); not restarted")
+        assert done.returncode == 0 and sup.children["done"].restarts == 0
+    finally:
+        sup.stop(5)
+
+
+def test_children_die_with_the_supervisor_thread_owner(tmp_path):
+    """PR_SET_PDEATHSIG set by a child spawned on the supervisor thread: the process that runs the supervisor,
+    killed with kill -9, takes the child along (the thread that spawned it lived until then)."""
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from shared.procs import die_with_parent\n"
+        "from shared.supervise import Supervisor\n"
+        "s = Supervisor()\n"
+        "p = s.add('x', lambda: subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                                        preexec_fn=die_with_parent()))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+    child = ProcId.of(int(owner.stdout.readline()))
+    assert child is not None and child.alive()
+    owner.kill()
+    owner.wait()
+    assert wait_gone([child], 10) == []
+
+
+def test_clean_stale_stops_only_our_leftovers_and_refuses_a_live_launcher(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "nats").mkdir()
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(run)])  # names the run dir
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])           # does not
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        write_state(run, {"launcher": [gone.pid, 1], "procs": {
+            "store-0": ProcId.of(ours.pid).to_json(), "gate-0": ProcId.of(other.pid).to_json()}})
+        cleaned = clean_stale(run)
+        assert ours.wait(10) == -signal.SIGTERM
+        assert other.poll() is None  # not ours: left alone
+        assert not (run / "up.json").exists() and not (run / "nats").exists()
+        assert any("store-0" in line for line in cleaned)
+        write_state(run, {"launcher": ProcId.of(os.getpid()).to_json()})  # a launcher that is alive
+        with pytest.raises(RuntimeError, match="is running"):
+            clean_stale(run)
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_second_up_on_a_running_run_dir_refuses_and_leaves_its_files(tmp_path):
+    from shared.up import Launcher
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_state(run, {"launcher": ProcId.of(os.getpid()).to_json(), "nats_url": "nats://127.0.0.1:1"})
+    (run / "nats-credential.json").write_text("{}")
+    launcher = Launcher(load_config(UpConfig, overrides=[f"up.run_dir={run}", "up.model=tiny"], env={}),
+                        say=lambda line: None)
+    with pytest.raises(RuntimeError, match="is running"):
+        launcher.start()
+    launcher.stop()
+    assert read_state(run)["nats_url"] == "nats://127.0.0.1:1" and (run / "nats-credential.json").exists()
+
+
+# --- the real system --------------------------------------------------------------------------------
+
+def complete(base: str, timeout: float = 5.0) -> bool:
+    try:
+        r = httpx.post(base + "/v1/completions", timeout=timeout,
+                       json={"model": "tiny", "prompt": "The sea is", "max_tokens": 4, "ignore_eos": True})
+        return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+
+
+def first_success(base: str, since: float, within: float) -> float | None:
+    """Seconds from `since` to the first request that completes, or None if none did within `within`."""
+    while time.monotonic() - since < within:
+        if complete(base, timeout=min(5.0, max(0.5, within - (time.monotonic() - since)))):
+            return time.monotonic() - since
+        time.sleep(0.2)  # a failed try: the next one a moment later
+    return None
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("heal")
+    cfg = load_config(UpConfig, overrides=[
+        "up.model=tiny", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=180",
+        "up.kv_memory=256MiB", "up.store_bytes=67108864", "gate.gate.admission_wait_s=2"], env={})
+    events = Events()
+    with launched(cfg) as (launcher, base):
+        launcher._say = events.say
+        yield launcher, base, events
+
+
+def reported_ready(launcher, instances: set[str]) -> bool:
+    """Every one of `instances` publishes a ready load report on the bus (waits up to ~20 s for them)."""
+    seen = asyncio.run(latest_reports(launcher.nats.url, 0.5,
+                                      enough=lambda s: all(i in s and s[i].ready for i in instances)))
+    return all(i in seen and seen[i].ready for i in instances)
+
+
+# roles in the order they are killed; each must be back and serving within the bound
+KILLS = ["store-0", NATS_CHILD, "master-0", "gate-0", "router-0", "decode-0", "prefill-0"]
+BOUND_S = {"store-0": 10.0, NATS_CHILD: 10.0}  # the issue's goal, asserted; the others are measured
+OTHER_BOUND_S = 45.0                             # (restarting an engine loads the model: generous on 2 cores)
+
+
+@pytest.mark.parametrize("victim", KILLS)
+def test_kill_9_is_restarted_and_serving_resumes(system, victim):
+    launcher, base, events = system
+    assert first_success(base, time.monotonic(), 30) is not None, "not serving before the kill"
+    before = dict(launcher.supervisor.pids())
+    restarts = launcher.restarts()[victim]
+    bound = BOUND_S.get(victim, OTHER_BOUND_S)
+    t0 = time.monotonic()
+    os.kill(before[victim], signal.SIGKILL)
+    took = first_success(base, t0, bound)
+    print(f"\nkill -9 {victim}: first success after {took if took is None else round(took, 2)} s", end="")
+    assert took is not None, f"no request succeeded within {bound} s of killing {victim}"
+    events.wait_for(f"{victim} restarted", restarts + 1, timeout=bound)
+    child = launcher.supervisor.children[victim]
+    assert launcher.restarts()[victim] == restarts + 1 and child.process.pid != before[victim]
+    assert child.last_exit == "killed by SIGKILL"
+    # the restarted process (after a nats restart: every service, reconnected) reports ready on the bus
+    reporting = {n for n in before if n.split("-")[0] in ("master", "store", "gate", "decode", "prefill")}
+    assert reported_ready(launcher, reporting if victim in (NATS_CHILD, "router-0") else {victim})
+    print(f"; {victim} restarted and every instance reporting ready after {time.monotonic() - t0:.2f} s")
+    assert complete(base, timeout=30)
+    after = launcher.supervisor.pids()
+    assert {n: p for n, p in after.items() if n != victim} == {n: p for n, p in before.items() if n != victim}
+    state = read_state(launcher.run_dir)
+    assert state["pids"][victim] == child.process.pid and state["restarts"][victim] == restarts + 1
+
+
+# --- kill -9 of the launcher -----------------------------------------------------------------------
+
+def start_up(run_dir: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", "tiny", "--port", str(port),
+                             "--set", f"up.run_dir={run_dir}", "--set", "up.ready_timeout_s=180",
+                             "--set", "up.kv_memory=256MiB", "--set", "up.store_bytes=67108864"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "is ready" in line or "stopped" in line:
+            break
+    assert any("is ready" in x for x in out), "".join(out)
+    return proc, out
+
+
+def test_launcher_killed_with_kill_9_takes_every_child_and_the_next_up_cleans_up(tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    first, _ = start_up(run_dir, port)
+    second = None
+    try:
+        state = json.loads((run_dir / "up.json").read_text())
+        children = [ProcId.from_json(v) for v in state["procs"].values()]
+        assert NATS_CHILD in state["procs"] and all(p.alive() for p in children)
+        t0 = time.monotonic()
+        first.kill()
+        first.wait()
+        assert wait_gone(children, 60) == [], "children outlived the launcher"
+        print(f"\nlauncher kill -9: every child gone after {time.monotonic() - t0:.1f} s")
+        assert (run_dir / "up.json").exists()  # stale, for the next start to clean
+        second, out = start_up(run_dir, port)
+        assert any("stale up.json" in x for x in out), "".join(out)
+        assert complete(f"http://127.0.0.1:{port}", timeout=30)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(60)
+    assert not (run_dir / "up.json").exists()

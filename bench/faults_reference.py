@@ -52,9 +52,22 @@ class Reference:
             return max(1, min(len(ids), got) - matched)
         return len(ids) - matched
 
+    def _tokens_needed(self, max_tokens: int, text: str, complete: bool) -> int:
+        """A cut stream is checked against as many reference tokens as it could have received: no token is
+        shorter than a byte of its text (greedy: the first n tokens do not depend on max_tokens)."""
+        return max_tokens if complete else max(1, min(max_tokens, len(text.encode()) + 1))
+
     def check(self, answers: list[tuple[str, int, str, bool]]) -> Check:
         """answers: (prompt, max_tokens, text received, complete)."""
-        self._fill([(p, n) for p, n, _, _ in answers])
+        import torch
+
+        answers = [(p, self._tokens_needed(n, t, c), t, c) for p, n, t, c in answers]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # measured on the shared 2-core box: 13x faster than 2 threads under load
+        try:
+            self._fill([(p, n) for p, n, _, _ in answers])
+        finally:
+            torch.set_num_threads(threads)
         wrong_answers = wrong_tokens = 0
         examples: list[str] = []
         for prompt, n, text, complete in answers:

@@ -33,6 +33,7 @@ import torch
 
 from bench._util import free_port, machine_info, write_result
 from bench.soak_model import Counts, Session, classify
+from bench.soak_report import plot, report
 from shared.hashing import chunk_hashes, namespace_seed
 from shared.kv_object import HEADER_BYTES, object_key
 
@@ -254,37 +255,6 @@ def store_index_check(router_url: str, master) -> dict:
     return {"router_store_chunks": int(metrics.get("moorage_router_kv_store_chunks", -1)),
             "pool_chunks": len(pool.chunks), "pool_objects": int(master.detail.get("objects", -1)),
             "master_store_events": master.detail.get("store_events", {})}
-
-
-def report(r: dict) -> str:
-    c = r["counts"]
-    lines = [f"soak: {c['cycles']} cycles ({r['params']['sessions']} sessions)",
-             *(f"  {k}: {v}" for k, v in c.items() if k != "outcomes"),
-             "  outcomes: " + ", ".join(f"{k} {v}" for k, v in c["outcomes"].items())]
-    return "\n".join(lines)
-
-
-def plot(r: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [x for x in r["records"] if "outcome" in x]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for outcome in r["counts"]["outcomes"]:
-        xs = [x["cycle"] for x in recs]
-        a.plot(xs, [sum(y["outcome"] == outcome for y in recs[:i + 1]) for i in range(len(recs))], label=outcome)
-    for e in (x for x in r["records"] if "event" in x):
-        a.axvline(e["cycle"], color="k", ls=":", lw=1)
-        a.text(e["cycle"], 0, " " + e["event"], rotation=90, fontsize=7, va="bottom")
-    a.set(xlabel="cycle", ylabel="turns (cumulative)", title=f"turn outcomes; mismatches {r['counts']['mismatches']}")
-    a.legend(fontsize=8)
-    b.scatter([x["expected"] for x in recs], [x["store"] for x in recs], s=6, alpha=0.4,
-              c=["tab:red" if not x["ok"] else "tab:blue" for x in recs])
-    b.set(xlabel="reusable history tokens", ylabel="tokens restored from the pool", title="restored vs reusable")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

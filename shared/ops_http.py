@@ -3,9 +3,9 @@
 
 The figures are the service's own load report, the one it publishes on the bus every second, turned
 into gauges: the common fields (`moorage_ready`, `moorage_kv_free_tokens`, ...) and every number of its
-`detail`, named after the role (`moorage_gate_waiting`, `moorage_prefill_pool_restored_chunks`). A
-detail that maps names to numbers (the gate's `budget_tokens` per decode) becomes one gauge with an
-`of` label. A service adds its own collectors to `OpsEndpoint.registry`. Neither path is traced.
+`detail`, named after the role (`moorage_gate_waiting`, `moorage_prefill_handoff_bytes`). A detail
+that maps names to numbers (the gate's `budget_tokens` per decode, the prefill's `pool` counters) becomes
+one gauge with an `of` label (`moorage_prefill_pool{of="restored_bytes"}`). A service adds its own collectors to `OpsEndpoint.registry`. Neither path is traced.
 """
 
 from __future__ import annotations

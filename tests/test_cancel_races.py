@@ -19,6 +19,7 @@ from services.decode.main import DecodeService
 from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
+from shared.handoff_check import checksum
 from shared.logging import get_logger
 from shared.messages import Cancel, HandoffDone, PrefillSubmit, SlotRequest, SlotsFilled
 from shared.transfer import LandingSlots
@@ -78,7 +79,8 @@ async def test_blocks_stay_out_of_reach_while_a_scatter_writes_them(decode, engi
     reply = await zone.grant(_slot_request(zone, "r1", 40))
     slot_id = reply.slots[0][0]
     blocks = list(zone.landings["r1"].blocks)
-    filled = asyncio.create_task(zone.filled(SlotsFilled("r1", [[slot_id, 0, 16 * zone.token_bytes]])))
+    n = 16 * zone.token_bytes
+    filled = asyncio.create_task(zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))])))
     await asyncio.sleep(0)  # the scatter is running in a worker thread
     assert zone.landings["r1"].scattering == 1
     assert await zone.drop("r1")
@@ -93,7 +95,8 @@ async def test_cancel_during_adoption_aborts_the_adopted_request(decode, engine,
     zone = decode.zone
     prompt = tiny.tokenizer.encode("adopt me then cancel me")
     reply = await zone.grant(_slot_request(zone, "r1", len(prompt)))
-    ack = await zone.filled(SlotsFilled("r1", [[reply.slots[0][0], 0, len(prompt) * zone.token_bytes]]))
+    slot_id, n = reply.slots[0][0], len(prompt) * zone.token_bytes
+    ack = await zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))]))
     assert ack.ok
     params = SamplingParams(max_tokens=200, ignore_eos=True).to_dict()
     landed = asyncio.create_task(decode.on_landed(

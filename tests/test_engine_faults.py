@@ -20,6 +20,7 @@ from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig, StepFailed, StepOutput
 from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.sampling import SamplingParams
+from shared.handoff_check import checksum
 from shared.logging import get_logger
 from shared.messages import HandoffDone, SlotRequest, SlotsFilled, TokenChunk
 from shared.transfer import LandingSlots
@@ -280,7 +281,8 @@ async def test_decode_fails_the_adopted_request_and_reports_when_dead(engine, ti
         zone, prompt = svc.zone, tiny.tokenizer.encode("adopt me, then fail")
         reply = await zone.grant(SlotRequest("r1", "prefill-0", len(prompt) * zone.token_bytes, len(prompt),
                                              max_slots=2))
-        assert (await zone.filled(SlotsFilled("r1", [[reply.slots[0][0], 0, len(prompt) * zone.token_bytes]]))).ok
+        slot_id, n = reply.slots[0][0], len(prompt) * zone.token_bytes
+        assert (await zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))]))).ok
         fail_once(monkeypatch, engine.runner, "run", RuntimeError(SAMPLER_ERROR))
         failed = signal_failures(svc)
         params = SamplingParams(max_tokens=20, ignore_eos=True).to_dict()

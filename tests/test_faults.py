@@ -22,14 +22,16 @@ import pytest
 from bench.faults import GOAL_S, QUICK, harness, table
 from bench.faults_inject import FAULTS, Fault
 from bench.faults_run import unclean
-from tests.natsbus import free_port  # noqa: F401  (the one free_port; the harness picks its own port)
 
 pytestmark = pytest.mark.slow
 
 ERROR_BOUND_S = 10.0  # the 5 s for an affected request to end, with room for a loaded 2-core box
-# Where one process serves everything and no second instance can absorb its loss, recovery is that
-# process's restart: Python + torch import + model load + its first load report. Measured on the shared
-# 2-core box (see /work/notes/faults.md); asserted at a documented bound instead of the goal.
+# Where one process serves everything and no second instance can absorb its loss (1 decode, 1 router, 1 gate),
+# recovery is that process's restart: Python (+ torch and the model for decode) import, its first load report,
+# and for decode the router and gate seeing it. First success after kill -9 on the shared 2-core box (load
+# average 8-16), per run: decode-0 4.2 / 16.1 / 14.7 / 13.8 s (misses the 10 s when the box is busy),
+# router-0 4.2 / 6.6 / 4.5 s, gate-0 2.6 / 5.7 / 4.3 s. Asserted at 30 s for these three (the restart under
+# contention, with margin); every other fault at the goal, 10 s.
 RECOVERY_BOUND_S = {"kill -9 decode-0": 30.0, "kill -9 router-0": 30.0, "kill -9 gate-0": 30.0}
 # An overload burst's 429 comes after gate.admission_wait_s (2 s here) of waiting, behind the burst itself.
 ERROR_BOUND_S_OVERLOAD = 15.0

@@ -1,12 +1,28 @@
-"""A router killed with kill -9 never releases what it reserved at the gate. Its restarted process (same
+"""Two leaks found by bench/faults.py, both at the router/gate seam.
+
+1. A router killed with kill -9 never releases what it reserved at the gate. Its restarted process (same
 instance, another boot id in its load reports) makes the gate drop the old process's reservations and
 waiting requests at once, instead of after reservation_ttl_s (found by bench/faults.py: 574 budget tokens
-held after kill -9 of router-0 under load)."""
+held after kill -9 of router-0 under load).
+2. An admit held by a gate that dies (or lost with the bus) is never answered: the router now watches the
+gates while it waits, so the request ends (503, or a retry on another gate) when one is gone."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import opentelemetry.trace
+import pytest
+
 from services.gate.admission import Admission, Admitted, Wait
 from services.gate.config import GateSettings
+from services.router.config import RouterSettings
+from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
+from services.router.routing import LoadTable, make_picker
+from shared.bus import Subjects
+from shared.logging import get_logger
+from shared.messages import LoadReport
 
 
 def gate() -> Admission:
@@ -39,3 +55,39 @@ def test_reports_without_a_boot_id_drop_nothing():
     assert a.router_report("router-0", "", 1.0) == ([], []) and "r1" in a.reservations
     a.router_report("router-0", "boot-a", 2.0)  # an owner-less reservation is nobody's to drop
     assert a.router_report("router-0", "boot-b", 3.0) == ([], []) and "r1" in a.reservations
+
+
+# ---- the router side: an admit held by a gate that dies is not waited on for admission_timeout_s ----------
+async def test_an_admit_held_by_a_gate_that_goes_ends_when_the_gate_is_gone_not_after_the_timeout():
+    """Found by bench/faults.py: kill -9 of the gate (or of nats-server) while a request waited for its
+    AdmitReply cost router.admission_timeout_s (40 s) before the 503."""
+    asked = asyncio.Event()
+
+    class SilentGateBus:  # the gate got the admit and died: no reply ever comes
+        subjects = Subjects("moorage")
+        nc = None
+
+        async def request(self, subject, msg, reply_type, timeout):
+            asked.set()
+            await asyncio.sleep(timeout)
+            raise AssertionError("waited for the admission timeout")
+
+        async def publish(self, subject, msg):
+            pass
+
+    settings = RouterSettings(admission_timeout_s=40.0)
+    loads = LoadTable(settings.instance_timeout_s)
+    state = RouterState(settings, SilentGateBus(), None, 4096, loads, make_picker("p2c", loads, 60.0))
+    for role in ("gate", "decode", "prefill"):
+        state.picker.update(LoadReport(f"{role}-0", role, True, 1000, 1000), state.clock())
+    d = Dispatch(state, Job("req-1", None, [1, 2, 3], 4, {}), opentelemetry.trace.INVALID_SPAN,
+                 get_logger("test"), time.monotonic() + 60)
+    start = asyncio.create_task(d.start())
+    await asyncio.wait_for(asked.wait(), 5)
+    t0 = time.monotonic()
+    state.picker.update(LoadReport("gate-0", "gate", False, detail={"unhealthy": "stopped"}), state.clock())  # bye
+    with pytest.raises(InstanceLost) as lost:
+        await asyncio.wait_for(start, 5)
+    assert lost.value.role == "gate" and lost.value.status == 503 and time.monotonic() - t0 < 1.0
+    await d.close("test")
+    await state.monitor.close()

@@ -15,9 +15,9 @@ The long prompt's logits are also compared at three earlier cut points from the 
 of transformers (moorage computes the cut prompts from its prefix cache, so that path is checked too).
 
 LOGIT_ATOL: measured max |moorage - transformers| (fp32, CPU, torch 2.x, transformers 5.x): 2.4e-5 to
-4.9e-5 on the short prompts, 1.6e-4 after the 4.4K-token prompt and 2.8e-4 at its 4,000-token cut (the
-error grows with context: longer fp32 sums in another order); the logits span about +-30. 1e-3 is 3.6x
-the worst measured and still far below what a real bug does (a wrong q/k permutation, RoPE base, norm
+4.9e-5 on the short prompts, 1.6e-4 after the 4.4K-token prompt and 2.6e-4 at its 4,000-token cut
+(2.8e-4 when moorage prefills in 256-token chunks; the error grows with context: longer fp32 sums in
+another order); the logits span about +-30. 1e-3 is 3.6x the worst measured and still far below what a real bug does (a wrong q/k permutation, RoPE base, norm
 eps, tokenizer merge or template moves logits by tenths to whole units, and flips greedy tokens). The
 test prints the measured numbers (run with -s) so CI logs keep them.
 """

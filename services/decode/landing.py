@@ -11,6 +11,13 @@ task), so two invariants hold across the awaits below:
 - blocks of a dropped landing go back to the engine only once no scatter is writing into them, so a
   late write can never land in blocks that another request has been given since.
 
+Checksums: every landed slot is verified against the CRC-32C prefill sent in SlotsFilled.crcs, in the
+worker thread that then scatters it, before a byte reaches the pages (shared/handoff_check.py). A
+mismatch, or pieces without checksums, drops the landing (slots and blocks back, the id remembered as
+cancelled), is counted in `checks`, and refuses the SlotsFilled: prefill then fails the request with a
+503 and the router retries it once if the client has received nothing. `MOORAGE_FAULT_CORRUPT_LANDING=N`
+(tests only; 0 and unset = off) flips one byte of each of the first N landed pieces before that check.
+
 Tracing: each grant and each scatter is one span (`decode.slot_grant`, `decode.scatter`: one per round
 of the handoff), a child of prefill's `kv.handoff` through the message headers.
 """
@@ -27,11 +34,14 @@ from kernels import get_kv_kernels
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
+from shared.handoff_check import MISMATCH, HandoffChecks, LandingFaults, Piece, Unverified, parse, verify
+from shared.logging import get_logger
 from shared.messages import Ack, SlotGrant, SlotRequest, SlotsFilled
 from shared.tracing import extract_context, get_tracer
 from shared.transfer import LandingSlots
 
 tracer = get_tracer("moorage.decode.landing")
+log = get_logger("decode.landing")
 
 
 def _parent(raw):
@@ -54,8 +64,11 @@ _CANCELLED_MEMORY = 4096  # cancelled ids remembered, to refuse their late grant
 
 
 class LandingZone:
-    def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str):
+    def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str,
+                 faults: LandingFaults | None = None):
         self.engine, self.loop, self.slots, self.endpoint = engine, loop, slots, endpoint
+        self.faults = faults or LandingFaults()
+        self.checks = HandoffChecks()
         self.layout = engine.layout
         self.token_bytes = self.layout.bytes_per_token
         self.kernels = get_kv_kernels(engine.pages[0].device)
@@ -104,6 +117,7 @@ class LandingZone:
                 "request_id": msg.request_id, "pieces": len(msg.pieces)}) as span:
             ack = await self._filled(msg)
             span.set_attribute("bytes", sum(p[2] for p in msg.pieces) if ack.ok else 0)
+            span.set_attributes({k: v for k, v in ack.stats.items() if k == "verify_ms"})
             if not ack.ok:
                 span.set_status(Status(StatusCode.ERROR, ack.error))
             return ack
@@ -114,33 +128,64 @@ class LandingZone:
         if landing is None:
             self.slots.release_owner(rid)
             return Ack(rid, False, "unknown or cancelled request")
-        t = time.perf_counter()
-        B = self.layout.block_size
+        t, timing = time.perf_counter(), {"verify_ms": 0.0}
         try:
-            for slot_id, offset, nbytes in msg.pieces:
-                if slot_id not in self.slots.held_by(rid) or offset % (B * self.token_bytes) \
-                        or nbytes % self.token_bytes or offset + nbytes > landing.total_bytes:
-                    raise ValueError(f"bad piece {slot_id, offset, nbytes}")
-                start, n = offset // self.token_bytes, nbytes // self.token_bytes
-                buf = self.slots.view(slot_id, nbytes).view(self.layout.dtype)
+            for piece in parse(msg.pieces, msg.crcs):
+                start, n = self._check_piece(rid, landing, piece)
                 landing.scattering += 1
                 try:
-                    await self.loop.run_in_worker(lambda: self.kernels.scatter_from_rank(
-                        buf, self.engine.pages[0], landing.blocks[start // B:], n))
+                    reason = await self.loop.run_in_worker(
+                        lambda: self._verify_and_scatter(piece, landing.blocks[start // self.layout.block_size:],
+                                                         n, timing))
                 finally:
                     landing.scattering -= 1
                 if landing.dropped:
                     await self._free_if_idle(landing)
                     return Ack(rid, False, "request cancelled")
-                if offset not in landing.received:
-                    landing.received.add(offset)
-                    landing.received_bytes += nbytes
+                if reason is not None:
+                    return await self._refuse(rid, reason)
+                self.checks.verified += 1
+                if piece.offset not in landing.received:
+                    landing.received.add(piece.offset)
+                    landing.received_bytes += piece.nbytes
+        except Unverified as e:
+            self.checks.unverified += 1
+            log.warning("handoff refused: no checksums", request_id=rid)
+            await self.drop(rid)
+            return Ack(rid, False, str(e))
         except ValueError as e:
             return Ack(rid, False, str(e))
         finally:
-            self.slots.release([p[0] for p in msg.pieces], owner=rid)
+            self.slots.release([p[0] for p in msg.pieces if isinstance(p, (list, tuple)) and p and type(p[0]) is int],
+                               owner=rid)
         landing.last_activity = time.monotonic()
-        return Ack(rid, True, stats={"scatter_ms": (time.perf_counter() - t) * 1e3})
+        return Ack(rid, True, stats={"scatter_ms": (time.perf_counter() - t) * 1e3, **timing})
+
+    def _check_piece(self, rid: str, landing: Landing, piece: Piece) -> tuple[int, int]:
+        """(first token, tokens) of a piece that is one of rid's slots, block-aligned and in bounds."""
+        B = self.layout.block_size
+        if piece.slot_id not in self.slots.held_by(rid) or piece.offset % (B * self.token_bytes) \
+                or piece.nbytes % self.token_bytes or piece.offset + piece.nbytes > landing.total_bytes:
+            raise ValueError(f"bad piece {piece.slot_id, piece.offset, piece.nbytes}")
+        return piece.offset // self.token_bytes, piece.nbytes // self.token_bytes
+
+    def _verify_and_scatter(self, piece: Piece, blocks: list[int], n: int, timing: dict) -> str | None:
+        """Worker thread: check the landed slot against its checksum, and only then scatter it."""
+        landed = self.slots.view(piece.slot_id, piece.nbytes)
+        self.faults.apply(landed)
+        t = time.perf_counter()
+        reason = verify(landed, piece)
+        timing["verify_ms"] += (time.perf_counter() - t) * 1e3
+        if reason is None:
+            self.kernels.scatter_from_rank(landed.view(self.layout.dtype), self.engine.pages[0], blocks, n)
+        return reason
+
+    async def _refuse(self, rid: str, reason: str) -> Ack:
+        """A landed piece failed its checksum: nothing of this request is adopted, its KV and slots go back."""
+        self.checks.failures += 1
+        log.warning("handoff checksum mismatch: request failed, its KV freed", request_id=rid, reason=reason)
+        await self.drop(rid)
+        return Ack(rid, False, MISMATCH)
 
     def take(self, rid: str) -> Landing:
         """Hand a complete landing's blocks to the caller (the engine adopts them)."""

@@ -22,6 +22,7 @@ from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
+from shared.handoff_check import LandingFaults
 from shared.messages import (Ack, Cancel, HandoffDone, LoadReport, SlotGrant, SlotRequest, SlotsFilled,
                              TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
@@ -153,7 +154,7 @@ class DecodeService:
                           len(e.scheduler.running), len(e.scheduler.waiting), 0, self.zone.endpoint,
                           {"landing": len(self.zone.landings), "free_slots": self.zone.slots.num_free,
                            "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
-                           "unhealthy": unhealthy})
+                           "unhealthy": unhealthy, **self.zone.checks.detail()})
 
     async def stop(self) -> None:
         await self.loop.stop()
@@ -167,7 +168,10 @@ async def serve(ctx: ServiceContext) -> None:
     engine = Engine(loaded, cfg.engine)
     transport = cfg.transfer.make_transport()
     slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport)
-    svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint))
+    faults = LandingFaults.from_env()  # off unless a test sets MOORAGE_FAULT_CORRUPT_LANDING
+    if faults.corrupt_pieces:
+        ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
+    svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults))
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,

@@ -1,7 +1,8 @@
 """The gate service: `Admission` (admission.py) wired to the bus.
 
-- `moorage.gate.admit` (queue group "gate"): AdmitRequest -> AdmitReply. A request that has to wait
-  keeps its NATS message here and is answered later by the tick loop, so the subscription never blocks.
+- `moorage.gate.admit` (queue group "gate"): AdmitRequest -> AdmitReply, answered in the handler when the
+  request fits now (the reply is sent before the span ends and the decision is logged). A request that has
+  to wait keeps its NATS message here and is answered later by the tick loop, so the subscription never blocks.
 - `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
 - Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
   what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
@@ -95,7 +96,12 @@ class Gate:
                 self.log.info("admission waiting", request_id=msg.request_id, waiting=len(self.admission.queue))
             self.wake.set()
             return None
-        return self.reply(p, outcome)
+        reply = self.decide(p, outcome)
+        with contextlib.suppress(Exception):
+            await self.bus.respond(raw, reply)
+        await asyncio.sleep(0)  # the bus's flusher sends the reply now: span and log come off the admit's path
+        self.record(p, reply)
+        return None
 
     async def on_release(self, msg: Release, raw: Msg) -> None:
         how = self.admission.release(msg.request_id, time.monotonic())
@@ -135,6 +141,12 @@ class Gate:
     # ---- answers -----------------------------------------------------------------------------
     def reply(self, p: _Pending, outcome: Admitted | Invalid | Rejected) -> AdmitReply:
         """The AdmitReply for one admit message; ends its span and logs the decision."""
+        reply = self.decide(p, outcome)
+        self.record(p, reply)
+        return reply
+
+    def decide(self, p: _Pending, outcome: Admitted | Invalid | Rejected) -> AdmitReply:
+        """The AdmitReply for one admit message."""
         waited_ms = (time.monotonic() - p.started) * 1000.0
         rid = outcome.request_id
         if isinstance(outcome, Admitted):
@@ -144,12 +156,16 @@ class Gate:
         else:
             reply = AdmitReply(rid, "unavailable" if outcome.unavailable else "rejected", reason=outcome.reason,
                                retry_after_s=outcome.retry_after_s, waited_ms=waited_ms)
+        return reply
+
+    def record(self, p: _Pending, reply: AdmitReply) -> None:
+        """End the admit's span and log the decision."""
+        rid, waited_ms = reply.request_id, reply.waited_ms
         p.span.set_attributes({"decision": reply.status, "decode_instance": reply.decode_instance or "",
                                "wait_ms": waited_ms})
         with trace.use_span(p.span, end_on_exit=True):
             self.log.info(f"admission {reply.status}", request_id=rid, decode_instance=reply.decode_instance,
                           reason=reply.reason or None, waited_ms=round(waited_ms, 1))
-        return reply
 
     async def answer(self, outcome: Admitted | Invalid | Rejected) -> None:
         for p in self.pending.pop(outcome.request_id, []):

@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from services.master.config import MasterSettings
 from services.master.store_events import StoreEventPublisher
 from shared.messages import KVEventBatch, LoadReport
@@ -38,6 +40,8 @@ METRICS = {
     "eviction_passes": "master_successful_evictions_total",
     "put_alloc_failures": "master_put_start_alloc_failures_total",
 }
+SEGMENT_METRICS = {"segment_used_bytes": "segment_allocated_bytes{segment}",
+                   "segment_capacity_bytes": "segment_capacity_bytes{segment}"}
 HEALTH_TIMEOUT_S = 15.0
 POLL_S = 0.1
 
@@ -60,14 +64,16 @@ def free_port(host: str) -> int:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value} (labelled samples are skipped: the master has none we use)."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#") or "{" in line:
-            continue
-        name, _, value = line.partition(" ")
-        with contextlib.suppress(ValueError):
-            out[name] = float(value.split()[0])
+    """Prometheus text -> {name: value} for unlabelled samples, and {"name{label}": {label value: value}}
+    for samples with one label (the per-segment figures, e.g. `segment_allocated_bytes{segment=...}`)."""
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                out[sample.name] = float(sample.value)
+            elif len(sample.labels) == 1:
+                (label, value), = sample.labels.items()
+                out.setdefault(f"{sample.name}{{{label}}}", {})[value] = float(sample.value)
     return out
 
 
@@ -155,6 +161,8 @@ class Master:
 
     def load_report(self) -> LoadReport:
         detail: dict = {k: int(self.stats.get(m, 0)) for k, m in METRICS.items()}
+        for key, metric in SEGMENT_METRICS.items():  # per store segment: {segment: bytes}
+            detail[key] = {seg: int(v) for seg, v in self.stats.get(metric, {}).items()}
         detail.update(restarts=self.restarts, up=self.alive(), metrics_url=self.base_url + "/metrics",
                       master_addr=self.master_addr, pid=self.proc.pid if self.proc else 0,
                       eviction_high_watermark_ratio=self.s.eviction_high_watermark_ratio,

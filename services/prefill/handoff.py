@@ -6,6 +6,11 @@ round: ask decode for credits (slots), gather one window per slot into our regis
 buffers, write them all in one batched call, then tell decode which bytes landed where; decode
 scatters and returns the credits. The blocks stay owned by the handoff until it ends, however it ends.
 
+Checksums: the thread that gathers a window also computes the CRC-32C of exactly the bytes it will
+write (shared/handoff_check.py); SlotsFilled carries one per piece and decode verifies each landed
+slot before scattering it. A mismatch comes back as a refused SlotsFilled: HandoffFailed, so the
+request fails with a 503 (retried once by the router while the client has received nothing).
+
 Tracing: the caller's `kv.handoff` span is current; each round adds a `kv.gather` and a `kv.write` span
 (two spans per round of up to max_slots_per_round x 8 MiB, never one per block or token), and decode's
 `decode.slot_grant` / `decode.scatter` spans join it through the NATS headers. The final HandoffDone goes
@@ -23,6 +28,7 @@ from opentelemetry import context as otel_context
 
 from kernels import get_kv_kernels
 from shared.bus import Bus
+from shared.handoff_check import Piece, checksum, to_wire
 from shared.kv_layout import KVLayout
 from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
 from shared.tracing import get_tracer
@@ -40,9 +46,11 @@ class HandoffStats:
     bytes: int = 0
     writes: int = 0
     rounds: int = 0
-    gather_ms: float = 0.0
+    gather_ms: float = 0.0   # includes crc_ms: the checksum runs in the gathering thread
+    crc_ms: float = 0.0
     write_ms: float = 0.0
-    scatter_ms: float = 0.0
+    scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
+    verify_ms: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -80,6 +88,14 @@ class HandoffSender:
             raise ValueError(f"transfer.slot_bytes {config.slot_bytes} cannot hold one block of KV "
                              f"({layout.block_size * self.token_bytes} bytes)")
         self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes)
+
+    def _gather(self, table: list[int], num_tokens: int, raw: torch.Tensor) -> tuple[int, float]:
+        """Worker thread: KV of `num_tokens` tokens -> `raw` (a staging region of exactly their bytes);
+        returns (CRC-32C of those bytes, ms the checksum took)."""
+        self.kernels.gather_for_ranks(self.pages, table, num_tokens, 1, self.layout, [raw.view(self.layout.dtype)])
+        t = time.perf_counter()
+        crc = checksum(raw)
+        return crc, (time.perf_counter() - t) * 1e3
 
     def _windows(self, num_tokens: int) -> list[tuple[int, int]]:
         w = self.window_tokens
@@ -119,6 +135,7 @@ class HandoffSender:
         if not ack.ok:
             raise HandoffFailed(f"decode could not land the KV: {ack.error}")
         stats.scatter_ms += float(ack.stats.get("scatter_ms", 0.0))
+        stats.verify_ms += float(ack.stats.get("verify_ms", 0.0))
 
     async def _round(self, decode, request_id, block_table, windows, i, total, num_tokens, deadline, stats,
                      in_flight) -> int:
@@ -130,6 +147,9 @@ class HandoffSender:
             request_id, self.instance, total, num_tokens, want), SlotGrant)
         if grant.error or not grant.slots:
             if grant.error.startswith("fatal:") or time.monotonic() > deadline:
+                for task in list(in_flight):  # an earlier round's refusal (e.g. a checksum) says why first
+                    in_flight.remove(task)
+                    self._check_filled(await task, stats)
                 raise HandoffFailed(grant.error or "decode granted no landing slots in time")
             if in_flight:  # our own earlier round holds the credits: wait for it
                 self._check_filled(await in_flight.pop(0), stats)
@@ -140,7 +160,7 @@ class HandoffSender:
         bufs = await self.staging.take(len(slots))
         attrs = {"round": stats.rounds, "windows": len(slots)}
         try:
-            src, dst, lens, pieces = [], [], [], []
+            src, dst, lens, pieces, crc_ms = [], [], [], [], 0.0
             t = time.perf_counter()
             with tracer.start_as_current_span("kv.gather", attributes=attrs) as span:
                 for (slot_id, addr, cap), b in zip(slots, bufs):
@@ -149,13 +169,14 @@ class HandoffSender:
                     nbytes = (t1 - t0) * self.token_bytes
                     if nbytes > cap:
                         raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
-                    out = self.staging.buffers[b][:nbytes].view(self.layout.dtype)
-                    await asyncio.to_thread(self.kernels.gather_for_ranks, self.pages, block_table[t0 // B:],
-                                            t1 - t0, 1, self.layout, [out])
-                    src.append(out.data_ptr()), dst.append(addr), lens.append(nbytes)
-                    pieces.append([slot_id, t0 * self.token_bytes, nbytes])
-                span.set_attribute("bytes", sum(lens))
+                    raw = self.staging.buffers[b][:nbytes]
+                    crc, ms = await asyncio.to_thread(self._gather, block_table[t0 // B:], t1 - t0, raw)
+                    crc_ms += ms
+                    src.append(raw.data_ptr()), dst.append(addr), lens.append(nbytes)
+                    pieces.append(Piece(slot_id, t0 * self.token_bytes, nbytes, crc))
+                span.set_attributes({"bytes": sum(lens), "crc_ms": crc_ms})
             stats.gather_ms += (time.perf_counter() - t) * 1e3
+            stats.crc_ms += crc_ms
             t = time.perf_counter()
             with tracer.start_as_current_span("kv.write", attributes={**attrs, "bytes": sum(lens), "writes": len(src),
                                                                       "endpoint": grant.endpoint}):
@@ -164,8 +185,9 @@ class HandoffSender:
         finally:
             await self.staging.give_back(bufs)
         stats.writes, stats.bytes, stats.rounds = stats.writes + len(src), stats.bytes + sum(lens), stats.rounds + 1
+        wire, crcs = to_wire(pieces)
         in_flight.append(asyncio.create_task(self.bus.request(
-            subjects.decode_filled(decode), SlotsFilled(request_id, pieces), Ack)))
+            subjects.decode_filled(decode), SlotsFilled(request_id, wire, crcs), Ack)))
         if len(in_flight) > 1:
             self._check_filled(await in_flight.pop(0), stats)
         return i

@@ -41,6 +41,7 @@ class PrefillService:
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
+        self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
         self.pool = None  # PoolConnector when the shared pool is enabled
         self.events = None  # KVEventPublisher: a "transferred" event after each handoff
         self.tasks: set[asyncio.Task] = set()
@@ -189,6 +190,9 @@ class PrefillService:
                 span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                      "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
                                      "scatter_ms": stats.scatter_ms})
+                self.handoff_totals["handoff_bytes"] += stats.bytes
+                self.handoff_totals["handoff_writes"] += stats.writes
+                self.handoff_totals["handoffs_done"] += 1
                 if self.events is not None:
                     self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
                                                  p.submit.decode_instance)
@@ -216,7 +220,7 @@ class PrefillService:
         return LoadReport(self.ctx.instance, "prefill", unhealthy is None, e.kv_capacity_tokens,
                           e.block_manager.num_free_blocks * e.layout.block_size, len(e.scheduler.running),
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
-                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()),
+                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals,
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
                            "pool": dict(self.pool.counters) if self.pool else None,
                            "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})

@@ -60,8 +60,8 @@ class PoolConnector:
         client.register(self.save_buf)
         self.restore_lock, self.save_lock = asyncio.Lock(), asyncio.Lock()
         self.on_store_event = on_store_event
-        self.counters = {"restored_chunks": 0, "verify_failures": 0, "saved_chunks": 0, "save_skipped": 0,
-                         "save_failures": 0, "lookup_errors": 0}
+        self.counters = {"restored_chunks": 0, "restored_bytes": 0, "verify_failures": 0, "saved_chunks": 0,
+                         "save_skipped": 0, "save_failures": 0, "lookup_errors": 0}
 
     def _keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
         return [object_key(ns.name, s, self.stages, digest) for s in range(self.stages)]
@@ -181,6 +181,7 @@ class PoolConnector:
 
             pinned = await self.loop.call_now(commit)
         self.counters["restored_chunks"] += good
+        self.counters["restored_bytes"] += nbytes
         span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
                              "ms": (time.perf_counter() - t0) * 1e3,
                              **{f"stage{s}_ms": ms for s, ms in enumerate(stage_ms)}})

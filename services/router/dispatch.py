@@ -37,6 +37,15 @@ from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, MessageError,
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
 
 
+async def _get_within(queue: asyncio.Queue, timeout: float):
+    """queue.get() within timeout s (asyncio.TimeoutError), without wait_for's extra task where asyncio.timeout
+    exists (Python 3.11+)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await queue.get()
+    return await asyncio.wait_for(queue.get(), timeout)
+
+
 @dataclass
 class RouterState:
     """Everything a request needs: built once by main.serve (or a test)."""
@@ -78,6 +87,7 @@ _LOST_MESSAGES = {
     "prefill": "the prefill instance serving this request became unavailable",
     "decode": "the decode instance serving this request became unavailable",
     "bus": "the router lost its connection to the message bus",
+    "gate": "the admission gate became unavailable",
     None: "an instance serving this request became unavailable",
 }
 
@@ -121,7 +131,7 @@ class Dispatch:
         self.decode: str | None = None
         self._sub = None
         self._chunks: asyncio.Queue = asyncio.Queue()  # raw token messages, or an OpenAIError (abort)
-        self._aborted = asyncio.Event()  # abort() was called: `_abort_error` says why
+        self._aborted: asyncio.Future | None = None  # done once abort() was called: `_abort_error` says why
         self._abort_error: OpenAIError | None = None
         self._watch = Watch(self._on_gone)
         self._must_release = False  # the gate may hold (or be waiting on) a reservation for us
@@ -157,17 +167,33 @@ class Dispatch:
             self.span.set_attribute("routing_reason", decision.reason)
             if decision.resident_tokens is not None:
                 self.span.set_attribute("resident_prefix_tokens", decision.resident_tokens)
+        self.span.add_event("routed")
+
+        async def on_chunk(raw) -> None:
+            self._chunks.put_nowait(raw)
+
+        # Subscribed before the admit: its SUB leaves in the same socket write as the admit (no step of its own
+        # after the reply); a refused request's close() unsubscribes.
+        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
         self._must_release = True  # from here on the gate may reserve for us, even if its reply is lost
+        # A gate that dies (or a bus that goes) while it holds our admit never answers: the wait ends when
+        # the liveness monitor says a gate is gone, not after admission_timeout_s.
+        gates = [v.instance for v in self.state.loads.fresh("gate", self.state.clock())]
+        for gate in gates:
+            self.state.monitor.watch(self._watch, "gate", gate)
         with trace.use_span(self.span, end_on_exit=False):
             try:
-                reply = await self.bus.request(subjects.gate_admit, AdmitRequest(
+                reply = await self._unless_aborted(self.bus.request(subjects.gate_admit, AdmitRequest(
                     rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot),
-                    AdmitReply,
-                    timeout=s.admission_timeout_s)
+                    AdmitReply, timeout=s.admission_timeout_s))
             except (*_BUS_ERRORS, MessageError) as e:
                 self.state.metrics.admission_rejections.labels("timeout").inc()
                 raise OpenAIError(503, f"admission gate unavailable ({type(e).__name__})",
                                   code="service_unavailable", headers=self.state.retry_after("gate")) from None
+            finally:
+                for gate in gates:
+                    self.state.monitor.unwatch(self._watch, "gate", gate)
+        self.span.add_event("admitted")  # stage marks: bench/overhead.py breaks latency down by them
         self.span.set_attribute("admission_waited_ms", reply.waited_ms)
         if reply.status != "admitted":
             self._must_release = False  # nothing held: an invalid or rejected request holds no budget
@@ -180,11 +206,7 @@ class Dispatch:
         self.state.monitor.watch(self._watch, "prefill", self.prefill)
         if self._abort_error is not None:  # one of them is known gone already
             raise self._abort_error
-
-        async def on_chunk(raw) -> None:
-            self._chunks.put_nowait(raw)
-
-        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
+        self.span.add_event("subscribed")
         self.state.live.add(self)
         self._submitted = True  # a lost Ack may still mean the prefill took it: cancel on failure
         with trace.use_span(self.span, end_on_exit=False):
@@ -201,6 +223,7 @@ class Dispatch:
             except MessageError as e:
                 raise OpenAIError(503, f"prefill {self.prefill} sent a malformed Ack",
                                   code="service_unavailable", headers=self.state.retry_after("prefill")) from e
+        self.span.add_event("acked")
         if not ack.ok:
             raise OpenAIError(503, f"prefill {self.prefill} refused the request: {ack.error}",
                               code="service_unavailable", headers=self.state.retry_after("prefill"))
@@ -227,7 +250,7 @@ class Dispatch:
             if left <= 0:
                 raise OpenAIError(504, "the request timed out", code="timeout")
             try:
-                raw = await asyncio.wait_for(self._chunks.get(), timeout=left)
+                raw = self._chunks.get_nowait() if not self._chunks.empty() else await _get_within(self._chunks, left)
             except asyncio.TimeoutError:
                 continue  # loop re-checks the deadline
             if isinstance(raw, OpenAIError):
@@ -251,25 +274,28 @@ class Dispatch:
         if self._abort_error is not None:
             return
         self._abort_error = error
-        self._aborted.set()
+        if self._aborted is not None and not self._aborted.done():
+            self._aborted.set_result(None)
         self._chunks.put_nowait(error)
 
     def _on_gone(self, gone: Gone) -> None:
         """The liveness monitor says an instance of this attempt is gone (called once)."""
         self.log.warning("instance lost", lost_role=gone.role, lost_instance=gone.instance, reason=gone.reason)
         self.span.add_event("instance_lost", {"role": gone.role, "instance": gone.instance, "reason": gone.reason})
-        role = gone.role if gone.role in ("prefill", "decode") else None
+        role = gone.role if gone.role in ("prefill", "decode", "gate") else None
         headers = self.state.retry_after(role, gone.instance) if role else self.state.retry_after("decode")
         self.abort(InstanceLost(gone.role, gone.instance, gone.reason, headers))
 
     async def _unless_aborted(self, coro):
         """Await coro, unless abort() comes first: then raise its error."""
+        if self._aborted is None:  # one future per attempt, shared by its waits (no waiter task per call)
+            self._aborted = asyncio.get_running_loop().create_future()
+            if self._abort_error is not None:
+                self._aborted.set_result(None)
         work = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(self._aborted.wait())
         try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, self._aborted}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)

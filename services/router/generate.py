@@ -109,6 +109,7 @@ class Generation:
         try:
             job, body = await prepare(self.state, self.request, self.chat, self.request_id,
                                       self.session_id)
+            self.span.add_event("prepared")
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
                                       "stream": bool(body.stream)})
             self.state.metrics.in_flight.inc()
@@ -171,6 +172,8 @@ class Generation:
             return Avoid(prefill=lost.instance) if state.others("prefill", lost.instance) else None
         if lost.role == "decode":
             return Avoid(decode=lost.instance) if state.others("decode", lost.instance) else None
+        if lost.role == "gate":  # lost while waiting for admission: another gate may take it
+            return Avoid() if state.others("gate", lost.instance) else None
         # an error chunk does not say which of the two failed: stay away from both where others are ready
         return Avoid(prefill=d.prefill if state.others("prefill", d.prefill) else None,
                      decode=d.decode if state.others("decode", d.decode) else None)
@@ -178,22 +181,28 @@ class Generation:
     async def _attempt(self, job: Job, body, shaper: Shaper) -> Response:
         """One dispatch up to the response: a stream once the first token is there, else the whole body."""
         out = self.outcome
-        await self._unless_gone(self.dispatch.start())
-        first = await self._unless_gone(self.dispatch.next_chunk())
-        if first.error:
-            raise chunk_error(first, self.dispatch)
-        ttft = self.state.clock() - self.t0
-        self.state.metrics.ttft.labels(self.endpoint).observe(ttft)
-        self.span.set_attribute("ttft_ms", round(ttft * 1000, 2))
+        first, collected = await self._unless_gone(self._until_answer(body.stream))  # one disconnect watch
         headers = {"X-Request-ID": self.request_id}
         if body.stream:
             out.handed_off = True
             return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
                            headers={**headers, "Cache-Control": "no-cache"})
-        text, final = await self._unless_gone(self._collect(first))
+        text, final = collected
         out.usage = make_usage(final, len(job.prompt_ids), self.completion_tokens)
         out.status, out.reason = 200, "finished"
         return JSONResponse(shaper.full(text, final.finish_reason or "stop", out.usage), headers=headers)
+
+    async def _until_answer(self, stream: bool) -> tuple[TokenChunk, tuple[str, TokenChunk] | None]:
+        """Admit, submit and wait for the first token; without streaming also the rest (text, final chunk)."""
+        await self.dispatch.start()
+        first = await self.dispatch.next_chunk()
+        if first.error:
+            raise chunk_error(first, self.dispatch)
+        self.span.add_event("first_chunk")
+        ttft = self.state.clock() - self.t0
+        self.state.metrics.ttft.labels(self.endpoint).observe(ttft)
+        self.span.set_attribute("ttft_ms", round(ttft * 1000, 2))
+        return first, (None if stream else await self._collect(first))
 
     async def _unless_gone(self, coro):
         """Await coro, but give up (ClientGone) as soon as the client disconnects."""
@@ -278,6 +287,7 @@ class Generation:
 
     async def _account(self, status: int, usage: dict | None, reason: str) -> None:
         m, elapsed = self.state.metrics, self.state.clock() - self.t0
+        self.span.add_event("finishing")
         try:
             if self.dispatch is not None:
                 await self.dispatch.close(reason)

@@ -1,0 +1,262 @@
+"""Router + gate overhead, and where it goes: the overhead part of bench/handoff.py, also runnable alone.
+
+    .venv/bin/python -m bench.overhead --n 200 --out bench/results/overhead.json
+
+On a launched system (tiny model; nats + gate + prefill + decode + router as processes), ~32-token
+prompts, max_tokens=1 (the request ends at prefill, no handoff):
+(a) POST /v1/completions through the router (httpx keep-alive, non-streaming) vs (b) PrefillSubmit
+straight to prefill-0 on the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order
+alternating per iteration, after a warm-up; distinct random prompts.
+
+The breakdown of (a) comes from each request's trace: the `router.request` span's stage events
+(prepared, routed, admitted, subscribed, acked, first_chunk, finishing), the `gate.admit` span and the
+prefill's spans, on the one machine clock (time.time_ns), plus the client's own send / receive times.
+(b) is timed by the client at the same points (subscribed, acked, final chunk). Every stage is reported
+as its median and p90 over requests; "overhead" rows are (a) - (b) of the p50s and the per-iteration
+paired difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from bench._util import free_port, machine_info, md_table, percentile, write_result
+from shared.bus import Bus, BusConfig
+from shared.config import load_config
+from shared.engine.models import load_tokenizer
+from shared.messages import Ack, PrefillSubmit, TokenChunk
+from shared.tracing import read_spans
+from shared.up import Launcher, UpConfig
+
+SEED = 20240601
+# (stage, from mark, to mark): marks are router.request events, span start/end, the client's send/recv,
+# and the gate / prefill spans' edges. Consecutive, so the stages add up to the client's latency.
+ROUTER_STAGES = (
+    ("http in: client send -> router.request start", "client_send", "span_start"),
+    ("prepare: body, pydantic, tokenize, checks", "span_start", "prepared"),
+    ("route: Dispatch, prefill pick", "prepared", "routed"),  # + subscribe after the cut
+    ("admit: router -> gate (bus)", "routed", "gate_start"),
+    ("admit: gate handler (gate.admit span)", "gate_start", "gate_end"),
+    ("admit: gate -> router reply", "gate_end", "admitted"),
+    ("after admit: watch instances (+ subscribe before the cut)", "admitted", "subscribed"),
+    ("submit + Ack round trip", "subscribed", "acked"),
+    ("Ack -> first chunk (prefill work + relay)", "acked", "first_chunk"),
+    ("collect + shape body", "first_chunk", "finishing"),
+    ("close: unsubscribe, Release, metrics, span", "finishing", "span_end"),
+    ("http out: response -> client", "span_end", "client_recv"),
+)
+DIRECT_STAGES = (
+    ("subscribe token subject", "client_send", "subscribed"),
+    ("submit + Ack round trip", "subscribed", "acked"),
+    ("Ack -> final chunk (prefill work + relay)", "acked", "client_recv"),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def summary(xs: list[float]) -> dict:
+    return {"p50_ms": percentile(xs, 50), "p90_ms": percentile(xs, 90), "p99_ms": percentile(xs, 99),
+            "mean_ms": statistics.fmean(xs), "min_ms": min(xs), "max_ms": max(xs)}
+
+
+async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: dict, g: torch.Generator) -> dict:
+    """(a) via router vs (b) direct, interleaved; p: overhead_n, overhead_warm. Marks for the breakdown."""
+    bus = await Bus.connect(BusConfig(url=nats_url), "bench-overhead")
+    subjects, router_ms, direct_ms, router_marks, direct_marks = bus.subjects, [], [], [], []
+    sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
+    prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
+
+    async def via_router(client: httpx.AsyncClient) -> tuple[float, dict]:
+        body = {"model": model, "prompt": prompt(), "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        send, t0 = time.time_ns(), time.perf_counter()
+        r = await client.post("/v1/completions", json=body)
+        r.raise_for_status()
+        r.json()
+        dt, recv = time.perf_counter() - t0, time.time_ns()
+        return dt, {"rid": r.headers["x-request-id"], "client_send": send, "client_recv": recv}
+
+    async def direct() -> tuple[float, dict]:
+        rid, ids = f"bench-{uuid.uuid4().hex}", prompt()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_chunk(raw) -> None:
+            chunk = TokenChunk.decode(raw.data)
+            if chunk.finished and not done.done():
+                done.set_result(chunk)
+
+        marks = {"rid": rid, "client_send": time.time_ns()}
+        t0 = time.perf_counter()
+        sub = await bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)
+        marks["subscribed"] = time.time_ns()
+        ack = await bus.request(subjects.prefill_submit("prefill-0"),
+                                PrefillSubmit(rid, ids, sampling, "decode-0"), Ack, timeout=10)
+        marks["acked"] = time.time_ns()
+        assert ack.ok, ack.error
+        chunk = await asyncio.wait_for(done, timeout=30)
+        dt = time.perf_counter() - t0
+        marks["client_recv"] = time.time_ns()
+        await sub.unsubscribe()
+        assert chunk.error is None and chunk.finish_reason == "length", chunk
+        return dt, marks
+
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            for i in range(p["overhead_warm"] + p["overhead_n"]):
+                order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which path goes first
+                for which in order:
+                    dt, marks = await via_router(client) if which == 0 else await direct()
+                    if i >= p["overhead_warm"]:
+                        (router_ms if which == 0 else direct_ms).append(dt * 1e3)
+                        (router_marks if which == 0 else direct_marks).append(marks)
+    finally:
+        await bus.close()
+    r, d = summary(router_ms), summary(direct_ms)
+    return {"model": model, "prompt_tokens": 32, "max_tokens": 1, "n": len(router_ms), "router": r, "direct": d,
+            "overhead_p50_ms": r["p50_ms"] - d["p50_ms"], "overhead_p90_ms": r["p90_ms"] - d["p90_ms"],
+            "overhead_p99_ms": r["p99_ms"] - d["p99_ms"],
+            "paired_diff": summary([a - b for a, b in zip(router_ms, direct_ms)]),
+            "router_ms": router_ms, "direct_ms": direct_ms, "router_marks": router_marks,
+            "direct_marks": direct_marks}
+
+
+def wait_router_spans(path: Path, rids: set[str], timeout: float = 30.0) -> dict[str, dict]:
+    """{request id: {"router": span, "gate": span}} once every rid has both (spans are exported in batches)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        by_trace, router = {}, {}
+        for s in read_spans(path):
+            rid = s["attributes"].get("request_id")
+            if s["name"] == "router.request" and rid in rids:
+                router[rid] = s
+            elif s["name"] == "gate.admit":
+                by_trace[s["trace_id"]] = s
+        got = {rid: {"router": sp, "gate": by_trace.get(sp["trace_id"])} for rid, sp in router.items()}
+        if len(got) == len(rids) and all(v["gate"] for v in got.values()):
+            return got
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(got)} of {len(rids)} router.request spans (with gate.admit) in {path}")
+        time.sleep(0.5)
+
+
+def breakdown(over: dict, traces: Path) -> dict:
+    """Per-stage p50 / p90 (ms) of the router path (from its traces) and of the direct path."""
+    spans = wait_router_spans(traces, {m["rid"] for m in over["router_marks"]})
+    rows: dict[str, list[float]] = {name: [] for name, _, _ in ROUTER_STAGES}
+    for m in over["router_marks"]:
+        sp = spans[m["rid"]]
+        marks = {**m, "span_start": sp["router"]["start_ns"], "span_end": sp["router"]["end_ns"],
+                 "gate_start": sp["gate"]["start_ns"], "gate_end": sp["gate"]["end_ns"],
+                 **{e["name"]: e["time_ns"] for e in sp["router"]["events"]}}
+        for name, a, b in ROUTER_STAGES:
+            rows[name].append((marks[b] - marks[a]) / 1e6)
+    direct = {name: [(m[b] - m[a]) / 1e6 for m in over["direct_marks"]] for name, a, b in DIRECT_STAGES}
+
+    def stats(xs: list[float]) -> dict:
+        return {"p50_ms": float(np.percentile(xs, 50)), "p90_ms": float(np.percentile(xs, 90)),
+                "mean_ms": float(np.mean(xs))}
+
+    return {"router": {k: stats(v) for k, v in rows.items()}, "direct": {k: stats(v) for k, v in direct.items()}}
+
+
+def run(model: str, p: dict) -> dict:
+    g = torch.Generator().manual_seed(SEED)
+    with tempfile.TemporaryDirectory(prefix=f"bench-overhead-{model}-") as run_dir:
+        cfg = load_config(UpConfig, overrides=[f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}",
+                                               "up.ready_timeout_s=600"])
+        launcher = Launcher(cfg)
+        try:
+            base = launcher.start()
+            launcher.wait_ready(base)
+            log(f"{model}: system ready at {base}")
+            vocab = load_tokenizer(model)[0].vocab_size
+            over = asyncio.run(bench_overhead(base, launcher.nats.url, model, vocab, p, g))
+            over["breakdown"] = breakdown(over, launcher.run_dir / "traces.jsonl")
+            return over
+        finally:
+            launcher.stop()
+
+
+def table(o: dict) -> str:
+    t = md_table(["path (tiny, 32 tok, max_tokens=1)", "N", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
+                 [["(a) router: HTTP + gate + prefill", o["n"], o["router"]["p50_ms"], o["router"]["p90_ms"],
+                   o["router"]["p99_ms"], o["router"]["mean_ms"]],
+                  ["(b) direct PrefillSubmit on the bus", o["n"], o["direct"]["p50_ms"], o["direct"]["p90_ms"],
+                   o["direct"]["p99_ms"], o["direct"]["mean_ms"]],
+                  ["overhead (a) - (b) of percentiles", o["n"], o["overhead_p50_ms"], o.get("overhead_p90_ms", ""),
+                   o["overhead_p99_ms"], ""],
+                  ["overhead, paired per-iteration a - b", o["n"], o["paired_diff"]["p50_ms"],
+                   o["paired_diff"].get("p90_ms", ""), o["paired_diff"]["p99_ms"], o["paired_diff"]["mean_ms"]]])
+    b = o.get("breakdown")
+    if not b:
+        return t
+    rows = [["(a) " + k, v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["router"].items()]
+    rows += [["(b) " + k, v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["direct"].items()]
+    return t + "\n\nBreakdown (per stage over requests; stages of a path add up to its latency):\n\n" + md_table(
+        ["stage", "p50 ms", "p90 ms", "mean ms"], rows)
+
+
+def report(r: dict) -> str:
+    m = r["machine"]
+    return (f"## moorage router + gate overhead\n\n{m['cpu_count']} CPUs, {m['date']}; load avg start "
+            f"{m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}\n\n" + table(r["overhead"]))
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    o = r["overhead"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6))
+    for xs, label in ((o["router_ms"], "(a) via router (HTTP + gate)"), (o["direct_ms"], "(b) direct on the bus")):
+        s = sorted(xs)
+        ax.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post",
+                label=f"{label}: p50 {percentile(xs, 50):.1f} ms, p90 {percentile(xs, 90):.1f} ms")
+    ax.set_xlabel("request latency, ms (tiny, 32-token prompt, max_tokens=1)")
+    ax.set_ylabel("CDF")
+    ax.set_title(f"Router + gate overhead: p50 {o['overhead_p50_ms']:.1f} ms (paired {o['paired_diff']['p50_ms']:.1f})")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    stages = o["breakdown"]["router"]
+    names = list(stages)
+    bx.barh(range(len(names)), [stages[k]["p50_ms"] for k in names])
+    bx.set_yticks(range(len(names)), names, fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlabel("p50 ms")
+    bx.set_title("(a) router path, per stage (p50)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=200, help="measured iterations (one request per path each)")
+    ap.add_argument("--warm", type=int, default=10, help="warm-up iterations, not measured")
+    ap.add_argument("--label", default="", help="a note stored in the JSON (e.g. before / after)")
+    ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/overhead-<time>/overhead.json)")
+    args = ap.parse_args(argv)
+    args.out = args.out or f"runs/overhead-{time.strftime('%Y%m%d-%H%M%S')}/overhead.json"
+    info, t_start = machine_info(), time.perf_counter()
+    over = run("tiny", {"overhead_n": args.n, "overhead_warm": args.warm})
+    result = {"command": " ".join(["python -m bench.overhead", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": info, "label": args.label, "params": {"seed": SEED, "n": args.n, "warm": args.warm},
+              "overhead": over}
+    write_result(result, args.out, t_start, plot, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The zero-hit tax: what saving every chunk to the pool costs traffic that never comes back, with a 95%
+confidence interval.
+
+    .venv/bin/python -m bench.zero_hit --pairs 20 --out bench/results/zero_hit.json
+
+Two tiny systems up at once (bench.restore.System: nats, master, 2 stores, gate, decode, prefill, router
+as processes), pool on and pool off (`up.pool=false`). Rounds of distinct random 2K-token prompts
+(max_tokens 2, greedy) from `threads` client threads; a round's throughput is its requests over the time to
+its last response, then the bench waits for an idle prefill (its saves done) so one system's saves never
+overlap the other's round. Rounds alternate ABBA (on, off, off, on, ...): each adjacent (on, off) pair saw
+about the same machine load.
+
+Statistics: per pair the ratio on/off of requests/s; the ratio of the means over pairs (and the geometric
+mean of the per-pair ratios) with 95% intervals from a bootstrap over pairs (numpy, 20,000 resamples,
+percentile interval). Goal (issue 11): >= 0.98 of pool-off throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from bench._util import machine_info, md_table, write_result
+from bench.restore import MAX_TOKENS, System, chunk_bytes, rand
+from shared.engine.models import load_tokenizer
+from shared.hashing import CHUNK_TOKENS
+
+SEED = 20240611
+BOOT = 20000
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def one_round(s: System, prompts: list[list[int]], threads: int) -> dict:
+    lat: list[float] = []
+
+    def one(prompt: list[int]) -> None:
+        t = time.perf_counter()
+        r = s.http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                 "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        lat.append((time.perf_counter() - t) * 1e3)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, prompts))
+    wall, t_end = time.perf_counter() - t0, time.monotonic()
+    s.report = s.watch.wait_idle("prefill-0", t_end)
+    return {"requests": len(prompts), "wall_s": wall, "req_per_s": len(prompts) / wall,
+            "p50_latency_ms": statistics.median(lat), "idle_seen_after_s": time.monotonic() - t_end}
+
+
+def ratio_ci(on: np.ndarray, off: np.ndarray, seed: int = SEED) -> dict:
+    """Ratio of means and geometric mean of per-pair ratios, each with a 95% bootstrap interval over pairs."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(on), size=(BOOT, len(on)))
+    rom = on[idx].mean(axis=1) / off[idx].mean(axis=1)
+    logr = np.log(on / off)
+    gm = np.exp(logr[idx].mean(axis=1))
+    return {"pairs": int(len(on)), "ratio_of_means": float(on.mean() / off.mean()),
+            "ratio_of_means_ci95": [float(x) for x in np.percentile(rom, [2.5, 97.5])],
+            "geomean_pair_ratio": float(np.exp(logr.mean())),
+            "geomean_pair_ratio_ci95": [float(x) for x in np.percentile(gm, [2.5, 97.5])],
+            "pair_ratios": [float(x) for x in on / off]}
+
+
+def bench(pairs: int, requests: int, threads: int, prompt: int, extra_on: list[str]) -> dict:
+    g = torch.Generator().manual_seed(SEED)
+    vocab = load_tokenizer("tiny")[0].vocab_size
+    total = (2 * pairs * requests + 4) * (prompt // CHUNK_TOKENS) * chunk_bytes("tiny")
+    store_bytes = int(total * 0.75 / 0.85) + (64 << 20)  # every chunk saved fits: no eviction in the measurement
+    rounds: dict[str, list[dict]] = {"on": [], "off": []}
+    with System("pool-on", "tiny", [f"up.store_bytes={store_bytes}", *extra_on]) as on, \
+            System("pool-off", "tiny", ["up.pool=false"]) as off:
+        systems = {"on": on, "off": off}
+        for s in systems.values():
+            one_round(s, [rand(g, vocab, prompt) for _ in range(threads)], threads)  # warm-up
+        for i in range(pairs):
+            for key in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                rounds[key].append(one_round(systems[key], [rand(g, vocab, prompt) for _ in range(requests)], threads))
+            log(f"pair {i}: on {rounds['on'][-1]['req_per_s']:.2f} / off {rounds['off'][-1]['req_per_s']:.2f} req/s")
+        counters = on.report.detail.get("pool")
+    on_r = np.array([r["req_per_s"] for r in rounds["on"]])
+    off_r = np.array([r["req_per_s"] for r in rounds["off"]])
+    return {"model": "tiny", "prompt_tokens": prompt, "requests_per_round": requests, "threads": threads,
+            "store_bytes": store_bytes, "pool_on_extra": extra_on, "rounds": rounds,
+            "median_req_per_s": {"on": float(np.median(on_r)), "off": float(np.median(off_r))},
+            "ratio": ratio_ci(on_r, off_r), "pool_on_counters": counters}
+
+
+def report(r: dict) -> str:
+    m, t = r["machine"], r["result"]
+    q = t["ratio"]
+    return "\n".join([
+        f"## moorage zero-hit tax (pool on vs off, distinct prompts)\n\n{m['cpu_count']} CPUs, {m['date']}; load avg "
+        f"start {m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}\n",
+        md_table(["pool", "rounds x requests", "median req/s", "mean req/s", "median p50 latency ms"],
+                 [[k, f"{len(t['rounds'][k])} x {t['requests_per_round']}", t["median_req_per_s"][k],
+                   statistics.fmean(x["req_per_s"] for x in t["rounds"][k]),
+                   statistics.median(x["p50_latency_ms"] for x in t["rounds"][k])] for k in ("on", "off")]),
+        "",
+        f"on/off, ratio of means: {q['ratio_of_means']:.3f} (95% CI {q['ratio_of_means_ci95'][0]:.3f} - "
+        f"{q['ratio_of_means_ci95'][1]:.3f}); geometric mean of pair ratios {q['geomean_pair_ratio']:.3f} (95% CI "
+        f"{q['geomean_pair_ratio_ci95'][0]:.3f} - {q['geomean_pair_ratio_ci95'][1]:.3f}); {q['pairs']} pairs",
+        f"pool-on counters: {t['pool_on_counters']}"])
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, q = r["result"], r["result"]["ratio"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
+    for k in ("on", "off"):
+        ax.plot([x["req_per_s"] for x in t["rounds"][k]], "o-", label=f"pool {k}")
+    ax.set(xlabel="pair (ABBA order)", ylabel="requests/s", title=f"tiny, {t['prompt_tokens']}-tok distinct prompts, "
+                                                                  f"{t['threads']} threads")
+    ax.legend()
+    bx.hist(q["pair_ratios"], bins=15)
+    lo, hi = q["ratio_of_means_ci95"]
+    bx.axvspan(lo, hi, alpha=0.2, color="C1", label=f"95% CI of ratio of means [{lo:.3f}, {hi:.3f}]")
+    bx.axvline(q["ratio_of_means"], color="C1", label=f"ratio of means {q['ratio_of_means']:.3f}")
+    bx.axvline(0.98, color="k", ls="--", label="goal 0.98")
+    bx.set(xlabel="on / off requests/s, per pair", title="zero-hit tax")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=20, help="(on, off) round pairs, ABBA order")
+    ap.add_argument("--requests", type=int, default=12, help="requests per round")
+    ap.add_argument("--threads", type=int, default=4, help="client threads")
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (distinct random ids)")
+    ap.add_argument("--on", action="append", default=[], help="extra config override for the pool-on system")
+    ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/zero_hit-<time>/zero_hit.json)")
+    args = ap.parse_args(argv)
+    args.out = args.out or f"runs/zero_hit-{time.strftime('%Y%m%d-%H%M%S')}/zero_hit.json"
+    info, t_start = machine_info(), time.perf_counter()
+    result = bench(args.pairs, args.requests, args.threads, args.prompt, args.on)
+    r = {"command": " ".join(["python -m bench.zero_hit", *(argv if argv is not None else sys.argv[1:])]),
+         "machine": info, "params": vars(args) | {"seed": SEED, "bootstrap": BOOT, "max_tokens": MAX_TOKENS},
+         "result": result}
+    write_result(r, args.out, t_start, plot, report)
+
+
+if __name__ == "__main__":
+    main()

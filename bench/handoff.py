@@ -16,7 +16,8 @@ prefill; --quick: tiny, 2K, R=1, N=10, ~20 s):
    the handoff repeats (median of 2 per repeat) so both see the same machine load.
 2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
    /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
-   the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating.
+   the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating. The code
+   and its per-stage breakdown live in bench/overhead.py (`python -m bench.overhead` runs it alone).
 Writes the JSON (GB = 1e9 B, ms = milliseconds), a PNG with the same stem, and prints markdown tables.
 """
 
@@ -28,17 +29,15 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import torch
 
 from bench._util import free_port, machine_info, md_table, percentile, write_result
-from shared.bus import Bus, BusConfig
+from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
-from shared.messages import Ack, PrefillSubmit, TokenChunk
 from shared.tracing import read_spans
 from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport
 from shared.up import Launcher, UpConfig
@@ -155,62 +154,6 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
     return cases
 
 
-async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: dict, g: torch.Generator) -> dict:
-    bus = await Bus.connect(BusConfig(url=nats_url), "bench-handoff")
-    subjects, router_ms, direct_ms = bus.subjects, [], []
-    sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
-    prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
-
-    async def via_router(client: httpx.AsyncClient) -> float:
-        t0 = time.perf_counter()
-        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt(), "max_tokens": 1,
-                                                       "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
-        r.json()
-        return time.perf_counter() - t0
-
-    async def direct() -> float:
-        rid, ids = f"bench-{uuid.uuid4().hex}", prompt()
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        async def on_chunk(raw) -> None:
-            chunk = TokenChunk.decode(raw.data)
-            if chunk.finished and not done.done():
-                done.set_result(chunk)
-
-        t0 = time.perf_counter()
-        sub = await bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)
-        ack = await bus.request(subjects.prefill_submit("prefill-0"),
-                                PrefillSubmit(rid, ids, sampling, "decode-0"), Ack, timeout=10)
-        assert ack.ok, ack.error
-        chunk = await asyncio.wait_for(done, timeout=30)
-        dt = time.perf_counter() - t0
-        await sub.unsubscribe()
-        assert chunk.error is None and chunk.finish_reason == "length", chunk
-        return dt
-
-    try:
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            for i in range(p["overhead_warm"] + p["overhead_n"]):
-                order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which path goes first
-                for which in order:
-                    dt = await via_router(client) if which == 0 else await direct()
-                    if i >= p["overhead_warm"]:
-                        (router_ms if which == 0 else direct_ms).append(dt * 1e3)
-    finally:
-        await bus.close()
-    r, d = summary(router_ms), summary(direct_ms)
-    return {"model": model, "prompt_tokens": 32, "max_tokens": 1, "n": len(router_ms), "router": r, "direct": d,
-            "overhead_p50_ms": r["p50_ms"] - d["p50_ms"], "overhead_p99_ms": r["p99_ms"] - d["p99_ms"],
-            "paired_diff": summary([a - b for a, b in zip(router_ms, direct_ms)]),
-            "router_ms": router_ms, "direct_ms": direct_ms}
-
-
-def summary(xs: list[float]) -> dict:
-    return {"p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99), "mean_ms": statistics.fmean(xs),
-            "min_ms": min(xs), "max_ms": max(xs)}
-
-
 def run_system(model: str, p: dict, g: torch.Generator, overhead: bool) -> tuple[list[dict], dict | None]:
     with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[
@@ -225,6 +168,8 @@ def run_system(model: str, p: dict, g: torch.Generator, overhead: bool) -> tuple
             with httpx.Client(base_url=base, timeout=1200) as client:
                 cases = bench_handoff(client, launcher, model, vocab, p, g)
             over = asyncio.run(bench_overhead(base, launcher.nats.url, model, vocab, p, g)) if overhead else None
+            if over is not None:
+                over["breakdown"] = breakdown(over, launcher.run_dir / "traces.jsonl")
             return cases, over
         except Exception:
             for name in launcher.dead():  # the run dir goes away with the temp dir: show why it died

@@ -6,7 +6,8 @@ On a launched system (tiny model; nats + gate + prefill + decode + router as pro
 prompts, max_tokens=1 (the request ends at prefill, no handoff):
 (a) POST /v1/completions through the router (httpx keep-alive, non-streaming) vs (b) PrefillSubmit
 straight to prefill-0 on the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order
-alternating per iteration, after a warm-up; distinct random prompts.
+alternating per iteration, after a warm-up; distinct random prompts. (c), after each pair: the same POST
+for an unknown model (404 before anything reaches the bus): the floor of the HTTP stack and this client.
 
 The breakdown of (a) comes from each request's trace: the `router.request` span's stage events
 (prepared, routed, admitted, subscribed, acked, first_chunk, finishing), the `gate.admit` span and the
@@ -45,11 +46,11 @@ SEED = 20240601
 ROUTER_STAGES = (
     ("http in: client send -> router.request start", "client_send", "span_start"),
     ("prepare: body, pydantic, tokenize, checks", "span_start", "prepared"),
-    ("route: Dispatch, prefill pick", "prepared", "routed"),  # + subscribe after the cut
+    ("route: Dispatch, prefill pick", "prepared", "routed"),
     ("admit: router -> gate (bus)", "routed", "gate_start"),
     ("admit: gate handler (gate.admit span)", "gate_start", "gate_end"),
     ("admit: gate -> router reply", "gate_end", "admitted"),
-    ("after admit: watch instances (+ subscribe before the cut)", "admitted", "subscribed"),
+    ("subscribe token subject", "admitted", "subscribed"),
     ("submit + Ack round trip", "subscribed", "acked"),
     ("Ack -> first chunk (prefill work + relay)", "acked", "first_chunk"),
     ("collect + shape body", "first_chunk", "finishing"),
@@ -75,7 +76,7 @@ def summary(xs: list[float]) -> dict:
 async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: dict, g: torch.Generator) -> dict:
     """(a) via router vs (b) direct, interleaved; p: overhead_n, overhead_warm. Marks for the breakdown."""
     bus = await Bus.connect(BusConfig(url=nats_url), "bench-overhead")
-    subjects, router_ms, direct_ms, router_marks, direct_marks = bus.subjects, [], [], [], []
+    subjects, router_ms, direct_ms, router_marks, direct_marks, floor_ms = bus.subjects, [], [], [], [], []
     sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
     prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
 
@@ -87,6 +88,16 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
         r.json()
         dt, recv = time.perf_counter() - t0, time.time_ns()
         return dt, {"rid": r.headers["x-request-id"], "client_send": send, "client_recv": recv}
+
+    async def http_floor(client: httpx.AsyncClient) -> float:
+        """(c) the same POST, but for an unknown model: HTTP both ways, body parse + validation, a 404 error
+        body, and nothing on the bus: the router's HTTP stack and this client, without gate or prefill."""
+        body = {"model": "no-such-model", "prompt": prompt(), "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 404, r.text
+        r.json()
+        return time.perf_counter() - t0
 
     async def direct() -> tuple[float, dict]:
         rid, ids = f"bench-{uuid.uuid4().hex}", prompt()
@@ -115,8 +126,13 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
     try:
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
             for i in range(p["overhead_warm"] + p["overhead_n"]):
-                order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which path goes first
+                order = (0, 1, 2) if i % 2 == 0 else (1, 0, 2)  # alternate which of (a), (b) goes first
                 for which in order:
+                    if which == 2:
+                        dt = await http_floor(client)
+                        if i >= p["overhead_warm"]:
+                            floor_ms.append(dt * 1e3)
+                        continue
                     dt, marks = await via_router(client) if which == 0 else await direct()
                     if i >= p["overhead_warm"]:
                         (router_ms if which == 0 else direct_ms).append(dt * 1e3)
@@ -128,6 +144,7 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
             "overhead_p50_ms": r["p50_ms"] - d["p50_ms"], "overhead_p90_ms": r["p90_ms"] - d["p90_ms"],
             "overhead_p99_ms": r["p99_ms"] - d["p99_ms"],
             "paired_diff": summary([a - b for a, b in zip(router_ms, direct_ms)]),
+            "http_floor": summary(floor_ms), "http_floor_ms": floor_ms,
             "router_ms": router_ms, "direct_ms": direct_ms, "router_marks": router_marks,
             "direct_marks": direct_marks}
 
@@ -195,6 +212,9 @@ def table(o: dict) -> str:
                    o["router"]["p99_ms"], o["router"]["mean_ms"]],
                   ["(b) direct PrefillSubmit on the bus", o["n"], o["direct"]["p50_ms"], o["direct"]["p90_ms"],
                    o["direct"]["p99_ms"], o["direct"]["mean_ms"]],
+                  ["(c) router HTTP only: same POST, unknown model (404), no bus", len(o["http_floor_ms"]),
+                   o["http_floor"]["p50_ms"], o["http_floor"]["p90_ms"], o["http_floor"]["p99_ms"],
+                   o["http_floor"]["mean_ms"]],
                   ["overhead (a) - (b) of percentiles", o["n"], o["overhead_p50_ms"], o.get("overhead_p90_ms", ""),
                    o["overhead_p99_ms"], ""],
                   ["overhead, paired per-iteration a - b", o["n"], o["paired_diff"]["p50_ms"],

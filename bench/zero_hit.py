@@ -10,7 +10,11 @@ its last response, then the bench waits for an idle prefill (its saves done) so 
 overlap the other's round. Rounds alternate ABBA (on, off, off, on, ...): each adjacent (on, off) pair saw
 about the same machine load.
 
-Statistics: per pair the ratio on/off of requests/s; the ratio of the means over pairs (and the geometric
+Each round also counts the CPU seconds (user + system, /proc) of every process of its system, services,
+nats-server and mooncake_master, from its start to the idle report (so its saves are in): requests per
+CPU-second is the cost measure that the other load on a shared machine disturbs least.
+
+Statistics: per pair the ratio on/off of requests/s (and of requests per CPU-second); the ratio of the means over pairs (and the geometric
 mean of the per-pair ratios) with 95% intervals from a bootstrap over pairs (numpy, 20,000 resamples,
 percentile interval). Goal (issue 11): >= 0.98 of pool-off throughput.
 """
@@ -20,8 +24,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,8 +45,37 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def system_cpu_s(s: System) -> float:
+    """CPU seconds (user + system) used so far by every process of the system: its services, nats-server
+    and whatever they spawned (mooncake_master). Rounds compare CPU per request, which other load on the
+    machine changes far less than wall time."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    roots = [c.process.pid for c in s.launcher.supervisor.children.values() if c.process]
+    for pid in {d for r in roots for d in _descendants(r)}:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError):
+            pass
+    return total / tick
+
+
 def one_round(s: System, prompts: list[list[int]], threads: int) -> dict:
     lat: list[float] = []
+    cpu0 = system_cpu_s(s)
 
     def one(prompt: list[int]) -> None:
         t = time.perf_counter()
@@ -54,7 +89,9 @@ def one_round(s: System, prompts: list[list[int]], threads: int) -> dict:
         list(ex.map(one, prompts))
     wall, t_end = time.perf_counter() - t0, time.monotonic()
     s.report = s.watch.wait_idle("prefill-0", t_end)
+    cpu = system_cpu_s(s) - cpu0  # to the idle report: the round's saves included
     return {"requests": len(prompts), "wall_s": wall, "req_per_s": len(prompts) / wall,
+            "cpu_s": cpu, "cpu_ms_per_request": cpu / len(prompts) * 1e3,
             "p50_latency_ms": statistics.median(lat), "idle_seen_after_s": time.monotonic() - t_end}
 
 
@@ -90,26 +127,37 @@ def bench(pairs: int, requests: int, threads: int, prompt: int, extra_on: list[s
         counters = on.report.detail.get("pool")
     on_r = np.array([r["req_per_s"] for r in rounds["on"]])
     off_r = np.array([r["req_per_s"] for r in rounds["off"]])
+    # CPU: requests per CPU-second, so that on/off < 1 means the pool costs, like the throughput ratio
+    on_c = np.array([1e3 / r["cpu_ms_per_request"] for r in rounds["on"]])
+    off_c = np.array([1e3 / r["cpu_ms_per_request"] for r in rounds["off"]])
     return {"model": "tiny", "prompt_tokens": prompt, "requests_per_round": requests, "threads": threads,
             "store_bytes": store_bytes, "pool_on_extra": extra_on, "rounds": rounds,
             "median_req_per_s": {"on": float(np.median(on_r)), "off": float(np.median(off_r))},
-            "ratio": ratio_ci(on_r, off_r), "pool_on_counters": counters}
+            "ratio": ratio_ci(on_r, off_r), "cpu_ratio": ratio_ci(on_c, off_c),
+            "median_cpu_ms_per_request": {k: float(np.median([r["cpu_ms_per_request"] for r in v]))
+                                          for k, v in rounds.items()},
+            "pool_on_counters": counters}
 
 
 def report(r: dict) -> str:
     m, t = r["machine"], r["result"]
-    q = t["ratio"]
+    q, c = t["ratio"], t["cpu_ratio"]
     return "\n".join([
         f"## moorage zero-hit tax (pool on vs off, distinct prompts)\n\n{m['cpu_count']} CPUs, {m['date']}; load avg "
         f"start {m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}\n",
-        md_table(["pool", "rounds x requests", "median req/s", "mean req/s", "median p50 latency ms"],
+        md_table(["pool", "rounds x requests", "median req/s", "mean req/s", "median CPU ms/req",
+                  "median p50 latency ms"],
                  [[k, f"{len(t['rounds'][k])} x {t['requests_per_round']}", t["median_req_per_s"][k],
-                   statistics.fmean(x["req_per_s"] for x in t["rounds"][k]),
+                   statistics.fmean(x["req_per_s"] for x in t["rounds"][k]), t["median_cpu_ms_per_request"][k],
                    statistics.median(x["p50_latency_ms"] for x in t["rounds"][k])] for k in ("on", "off")]),
         "",
         f"on/off, ratio of means: {q['ratio_of_means']:.3f} (95% CI {q['ratio_of_means_ci95'][0]:.3f} - "
         f"{q['ratio_of_means_ci95'][1]:.3f}); geometric mean of pair ratios {q['geomean_pair_ratio']:.3f} (95% CI "
         f"{q['geomean_pair_ratio_ci95'][0]:.3f} - {q['geomean_pair_ratio_ci95'][1]:.3f}); {q['pairs']} pairs",
+        f"requests per CPU-second of the whole system (services + nats + mooncake, to the idle report), on/off: "
+        f"{c['ratio_of_means']:.3f} (95% CI {c['ratio_of_means_ci95'][0]:.3f} - {c['ratio_of_means_ci95'][1]:.3f}); "
+        f"median CPU ms/request on {t['median_cpu_ms_per_request']['on']:.1f}, off "
+        f"{t['median_cpu_ms_per_request']['off']:.1f}",
         f"pool-on counters: {t['pool_on_counters']}"])
 
 

@@ -15,8 +15,10 @@ at local position t // N, for all layers): [tokens_of_rank, num_layers, 2, H, D]
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.hashing import BLOCK_TOKENS, CHUNK_TOKENS
@@ -83,5 +85,15 @@ class KVLayout:
 
 def allocate_pages(layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """One page tensor per stage. Zero-filled so never-written slots are deterministic."""
-    return [torch.zeros(layout.page_shape(s, num_blocks), dtype=layout.dtype, device=device)
+    return [_zeros(layout.page_shape(s, num_blocks), layout.dtype, torch.device(device))
             for s in range(layout.stages)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on CPU through calloc (numpy.zeros): a large block comes from fresh mmap pages
+    the kernel zeroes on first touch, so nothing is written now. torch.zeros writes every page at once
+    (4 GiB of KV: 4 s of an engine's start-up on a busy host) and commits it all up front."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -259,6 +259,7 @@ class LoadReport(Message):
     queued_tokens: int = 0       # prompt tokens not yet computed (prefill)
     endpoint: str = ""
     detail: dict = field(default_factory=dict)
+    boot: str = ""               # this process's incarnation (the runtime fills it in): a new one = restarted
 
 
 @message("kv_events")

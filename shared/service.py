@@ -14,6 +14,7 @@ import contextlib
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class ServiceContext:
     serving: bool = False  # serve() returned and no stop yet: what /health says with the load report
     http_url: str = ""     # where /health and /metrics answer ("" when http.port is -1)
     started_at: float = field(default_factory=time.time)
+    boot: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this process's incarnation
 
     @property
     def log(self):
@@ -66,9 +68,15 @@ async def _report_load(ctx: ServiceContext, interval: float) -> None:
     while not ctx.stop.is_set():
         if ctx.load_report is not None:
             with contextlib.suppress(Exception):
-                await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), ctx.load_report())
+                await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), _stamped(ctx))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(ctx.stop.wait(), timeout=interval)
+
+
+def _stamped(ctx: ServiceContext) -> LoadReport:
+    report = ctx.load_report()
+    report.boot = ctx.boot
+    return report
 
 
 def _health(ctx: ServiceContext) -> tuple[bool, str]:
@@ -114,7 +122,7 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
             reporter.cancel()
         if ctx.load_report is not None:  # say goodbye so routers and gates stop choosing us at once
             with contextlib.suppress(Exception):
-                report = ctx.load_report()
+                report = _stamped(ctx)
                 report.ready = False
                 await bus.publish(bus.subjects.load(role, instance), report)
         await bus.close()

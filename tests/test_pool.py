@@ -177,8 +177,9 @@ def test_hugepage_plan():
 def test_parse_metrics():
     text = ("# HELP x y\n# TYPE x gauge\nmaster_key_count 3\nmaster_allocated_bytes 1.048576e+06\n"
             'segment_allocated_bytes{segment="10.0.0.1:1"} 4096\nsegment_allocated_bytes{segment="10.0.0.2:1"} 0\n'
-            'two{a="b",c="d"} 1\n')
+            'two{a="b",c="d"} 1\n# TYPE master_evicted_key_count counter\nmaster_evicted_key_count 7\n')
     assert parse_metrics(text) == {"master_key_count": 3.0, "master_allocated_bytes": 1048576.0,
+                                   "master_evicted_key_count": 7.0, "master_evicted_key_count_total": 7.0,
                                    "segment_allocated_bytes{segment}": {"10.0.0.1:1": 4096.0, "10.0.0.2:1": 0.0}}
 
 

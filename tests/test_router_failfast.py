@@ -109,6 +109,21 @@ def test_a_known_down_instance_fires_when_watched():
     assert again.gone == []
 
 
+def test_an_instance_restarted_faster_than_the_timeout_is_gone_for_what_the_old_process_held():
+    """A supervisor brings a killed gate back in ~3 s: never silent for the timeout, but the admits the old
+    process held will never be answered. Its reports carry a new boot id: that ends the watches at once."""
+    live = Liveness(T)
+    live.report("gate", "gate-0", True, "", 0.0, boot="a1")
+    _, fired = watched(live, ("gate", "gate-0"), now=0.5)
+    live.report("gate", "gate-0", True, "", 1.0, boot="a1")
+    assert fired.gone == []
+    live.report("gate", "gate-0", True, "", 2.0, boot="b2")  # the restarted process
+    assert fired.gone == [Gone("gate", "gate-0", "restarted")]
+    _, again = watched(live, ("gate", "gate-0"), now=2.1)  # the new one is watchable as usual
+    live.report("gate", "gate-0", True, "", 2.5, boot="b2")
+    assert again.gone == []
+
+
 def test_a_router_that_heard_nothing_for_a_while_blames_nobody_for_the_burst_that_follows():
     """Its event loop was blocked 6 s: the queued reports then arrive in a burst, in no useful order."""
     live = Liveness(T)

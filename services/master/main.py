@@ -71,6 +71,8 @@ def parse_metrics(text: str) -> dict[str, float]:
         for sample in family.samples:
             if not sample.labels:
                 out[sample.name] = float(sample.value)
+                if family.type == "counter" and sample.name.endswith("_total"):  # the parser appends _total
+                    out.setdefault(sample.name.removesuffix("_total"), float(sample.value))
             elif len(sample.labels) == 1:
                 (label, value), = sample.labels.items()
                 out.setdefault(f"{sample.name}{{{label}}}", {})[value] = float(sample.value)

@@ -168,13 +168,6 @@ class Dispatch:
             if decision.resident_tokens is not None:
                 self.span.set_attribute("resident_prefix_tokens", decision.resident_tokens)
         self.span.add_event("routed")
-
-        async def on_chunk(raw) -> None:
-            self._chunks.put_nowait(raw)
-
-        # Subscribed before the admit: its SUB leaves in the same socket write as the admit (no step of its own
-        # after the reply); a refused request's close() unsubscribes.
-        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
         self._must_release = True  # from here on the gate may reserve for us, even if its reply is lost
         # A gate that dies (or a bus that goes) while it holds our admit never answers: the wait ends when
         # the liveness monitor says a gate is gone, not after admission_timeout_s.
@@ -206,6 +199,11 @@ class Dispatch:
         self.state.monitor.watch(self._watch, "prefill", self.prefill)
         if self._abort_error is not None:  # one of them is known gone already
             raise self._abort_error
+
+        async def on_chunk(raw) -> None:
+            self._chunks.put_nowait(raw)
+
+        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
         self.span.add_event("subscribed")
         self.state.live.add(self)
         self._submitted = True  # a lost Ack may still mean the prefill took it: cancel on failure

@@ -4,6 +4,8 @@ prefill and decode, fed by the load reports every service publishes each `load_i
 An instance is *gone* for the requests that watch it when
 - it says so: a report with ready=False (its engine loop is dead or stalled, `detail.unhealthy`, or the
   goodbye a service sends when it stops);
+- it was restarted: its report carries another process incarnation (`boot`) than before, however quickly
+  the new process came back (what the old one held, such as an admit it never answered, is lost);
 - it fell silent: no report from it for `timeout_s` while the router kept hearing others. After the
   router itself heard nothing for a while (its event loop was blocked, or its bus was slow), every
   instance gets `timeout_s` again from the moment it hears again: the reports queued meanwhile arrive in
@@ -61,6 +63,7 @@ class Liveness:
         self.deaf_gap_s = timeout_s / 2       # no report from anyone for longer: the router was deaf
         self.epoch = 0                        # bus connection generation (reconnects so far)
         self.watchers: dict[Key, set[Watch]] = {}
+        self.boots: dict[Key, str] = {}       # each instance's process incarnation, from its reports
 
     # ---- watches ---------------------------------------------------------------------------------
     def add(self, watch: Watch, role: str, instance: str, now: float) -> None:
@@ -104,11 +107,17 @@ class Liveness:
             self._fire(watch, Gone(key[0], key[1], reason))
 
     # ---- what the router hears -------------------------------------------------------------------
-    def report(self, role: str, instance: str, ready: bool, reason: str, now: float) -> None:
-        """A load report arrived: note it, fire the watches of an instance that says it is not ready,
-        and of every watched instance that has been silent for timeout_s meanwhile."""
+    def report(self, role: str, instance: str, ready: bool, reason: str, now: float, boot: str = "") -> None:
+        """A load report arrived: note it, fire the watches of an instance that says it is not ready or
+        was restarted (another process answers to its name: what the old one held is lost), and of every
+        watched instance that has been silent for timeout_s meanwhile."""
         key = (role, instance)
         self.seen[key] = now
+        if boot:
+            before = self.boots.get(key)
+            self.boots[key] = boot
+            if before and before != boot:
+                self._fire_key(key, "restarted")
         if self.heard is not None and now - self.heard > self.deaf_gap_s:
             self.resumed = now
         self.heard = now if self.heard is None else max(self.heard, now)
@@ -123,6 +132,7 @@ class Liveness:
         for k in [k for k, t in self.seen.items() if t < horizon and k not in self.watchers]:
             del self.seen[k]
             self.down.pop(k, None)
+            self.boots.pop(k, None)
 
     def resume(self, now: float) -> None:
         """The router's own event loop was blocked until now: it heard nothing, but nobody was silent."""
@@ -164,7 +174,7 @@ class LivenessMonitor:
     def on_report(self, report: LoadReport, now: float) -> None:
         self.liveness.check_bus(now, *self._bus_state())
         self.liveness.report(report.role, report.instance, report.ready,
-                             "" if report.ready else not_ready_reason(report), now)
+                             "" if report.ready else not_ready_reason(report), now, report.boot)
 
     def watch(self, watch: Watch, role: str, instance: str) -> None:
         self.liveness.add(watch, role, instance, self.clock())

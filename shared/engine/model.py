@@ -24,9 +24,11 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, max_positions: int, device, dtype=torch.float32):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        # cos/sin of the half, then duplicated: the same values as of cat([freqs, freqs]) at half the cost
+        # (tiny's 65536 positions: 0.4 s of an engine's start-up on a busy host)
+        cos, sin = freqs.cos().to(dtype=dtype), freqs.sin().to(dtype=dtype)
+        self.cos = torch.cat([cos, cos], dim=-1).to(device=device)
+        self.sin = torch.cat([sin, sin], dim=-1).to(device=device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]; positions: [T]."""

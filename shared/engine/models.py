@@ -49,10 +49,7 @@ def load_model(name_or_path: str, max_context: int | None = None) -> LoadedModel
         return LoadedModel(f"tiny-seed{TINY_SEED}", config, tiny_weights(config), ByteTokenizer())
     path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
     if path.suffix == ".gguf":
-        from shared.engine.gguf_loader import load_gguf
-
-        config, weights, reader = load_gguf(path, name=name_or_path)
-        tokenizer = BPETokenizer.from_gguf_reader(reader, config.eos_token_ids)
+        config, weights, tokenizer = _load_gguf_cached(path, name_or_path)
     elif (path / "config.json").exists():
         from shared.engine.hf_loader import load_hf_dir
 
@@ -66,6 +63,26 @@ def load_model(name_or_path: str, max_context: int | None = None) -> LoadedModel
 
         config = replace(config, max_context=min(config.max_context, max_context))
     return LoadedModel(f"{name_or_path}", config, weights, tokenizer)
+
+
+def _load_gguf_cached(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """load_gguf + its tokenizer, through the decoded-model cache (shared/engine/model_cache.py)."""
+    from shared.engine.model_cache import CacheEntry
+
+    entry = CacheEntry.for_file(path)
+    if entry is not None:
+        meta = entry.load_meta(name)
+        weights = entry.load_weights() if meta is not None else None
+        if weights is not None:
+            return meta[0], weights, meta[1]
+    from shared.engine.gguf_loader import load_gguf
+
+    config, weights, reader = load_gguf(path, name=name)
+    tokenizer = BPETokenizer.from_gguf_reader(reader, config.eos_token_ids)
+    if entry is not None:
+        entry.save_weights(weights)
+        entry.save_meta(config, tokenizer)
+    return config, weights, tokenizer
 
 
 def _hf_dir_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
@@ -83,13 +100,22 @@ def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
         return ByteTokenizer(), tiny_config().max_context
     path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
     if path.suffix == ".gguf":
+        from shared.engine.model_cache import CacheEntry
+
+        entry = CacheEntry.for_file(path)
+        hit = entry.load_meta(name_or_path) if entry else None
+        if hit is not None:
+            return hit[1], hit[0].max_context
         from gguf import GGUFReader
 
         from shared.engine.gguf_loader import read_config
 
         reader = GGUFReader(str(path))
         config = read_config(reader, name_or_path)
-        return BPETokenizer.from_gguf_reader(reader, config.eos_token_ids), config.max_context
+        tokenizer = BPETokenizer.from_gguf_reader(reader, config.eos_token_ids)
+        if entry:
+            entry.save_meta(config, tokenizer)
+        return tokenizer, config.max_context
     if (path / "config.json").exists():
         from shared.engine.hf_loader import read_hf_config
 

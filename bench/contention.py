@@ -26,7 +26,7 @@ from pathlib import Path
 from bench._util import free_port, machine_info, md_table, write_result
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
-from shared.up import Launcher, UpConfig
+from infra.up import Launcher, UpConfig
 
 MODEL = "smollm2-135m"
 WORDS = ("def return self value index buffer request session token cache block chunk prefill decode store "

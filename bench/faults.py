@@ -3,7 +3,7 @@ after it, wrong tokens against the greedy reference, and budget or KV left held.
 
     python -m bench.faults [--quick] [--out runs/faults-<time>/faults.json] [--only kill]
 
-Starts `moorage up` through shared.up.Launcher (tiny model, KV pool on, 2 prefills so that one can be
+Starts `moorage up` through infra.up.Launcher (tiny model, KV pool on, 2 prefills so that one can be
 lost, 1 decode, the gate's budget small enough to overrun), drives multi-turn clients (half streaming,
 greedy), and injects one fault at a time (bench/faults_inject.py): a disconnect storm, an overload burst,
 kill -9 of each role (store, master, prefill, decode, gate, router, nats-server), and a NATS restart.
@@ -45,7 +45,7 @@ def system_overrides(run_dir: str, port: int) -> list[str]:
 def harness(run_dir: str, size: Size, extra: list[str] = (), reference: bool = True) -> Iterator[Harness]:
     from bench.faults_reference import Reference
     from shared.config import load_config
-    from shared.up import UpConfig, launched
+    from infra.up import UpConfig, launched
 
     cfg = load_config(UpConfig, overrides=[*system_overrides(run_dir, free_port()), *extra], env={})
     ref = Reference() if reference else None

@@ -1,4 +1,4 @@
-"""The faults bench/faults.py injects into a running `moorage up` (shared.up.Launcher), one at a time:
+"""The faults bench/faults.py injects into a running `moorage up` (infra.up.Launcher), one at a time:
 kill -9 of one process, a disconnect storm, an overload burst beyond the gate's budget, and a NATS
 restart (stopped cleanly, then started again on the same port with the same credential)."""
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.faults_load import Result, burst, storm
-from shared.up import NATS_CHILD, Launcher
+from infra.up import NATS_CHILD, Launcher
 
 
 @dataclass(frozen=True)

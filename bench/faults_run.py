@@ -13,7 +13,7 @@ from bench.faults_inject import Fault, FaultSize, Restarts, inject
 from bench.faults_load import CLEAN, Load, LoadShape, Result, probe_until_success
 from bench.faults_reference import Reference
 from bench.faults_watch import Leaks, Watcher
-from shared.up import NATS_CHILD, Launcher
+from infra.up import NATS_CHILD, Launcher
 
 
 @dataclass

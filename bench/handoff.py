@@ -1,5 +1,5 @@
 """KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
-router as processes, started with shared.up.Launcher; one system per model, default 8 MiB slots).
+router as processes, started with infra.up.Launcher; one system per model, default 8 MiB slots).
 
 Run from the repository root (full run: ~4-5 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
 prefill; --quick: tiny, 2K, R=1, N=10, ~20 s):
@@ -40,7 +40,7 @@ from shared.config import load_config
 from shared.engine.models import load_tokenizer
 from shared.tracing import read_spans
 from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport
-from shared.up import Launcher, UpConfig
+from infra.up import Launcher, UpConfig
 
 SEED = 20240601
 SMOL = "smollm2-135m"

@@ -38,7 +38,7 @@ from shared.config import load_config
 from shared.engine.models import load_tokenizer
 from shared.messages import Ack, PrefillSubmit, TokenChunk
 from shared.tracing import read_spans
-from shared.up import Launcher, UpConfig
+from infra.up import Launcher, UpConfig
 
 SEED = 20240601
 # (stage, from mark, to mark): marks are router.request events, span start/end, the client's send/recv,

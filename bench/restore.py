@@ -1,4 +1,4 @@
-"""Shared-pool benchmark on the real system (shared.up.Launcher: nats, master, 2 stores, gate, decode,
+"""Shared-pool benchmark on the real system (infra.up.Launcher: nats, master, 2 stores, gate, decode,
 prefill, router as processes): TTFT by where a session's history is, restore GB/s vs raw Mooncake reads,
 and what saving costs when sessions never return.
 
@@ -45,7 +45,7 @@ from shared.kv_layout import KVLayout
 from shared.kv_object import HEADER_BYTES, object_key
 from shared.pool import PoolClient, PoolConfig
 from shared.tracing import read_spans
-from shared.up import Launcher, UpConfig
+from infra.up import Launcher, UpConfig
 
 SEED, SMOL, NEW, MAX_TOKENS = 20240607, "smollm2-135m", 32, 2
 CASES = ("device", "pool", "recompute")

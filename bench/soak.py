@@ -11,7 +11,7 @@ tokens, ending exactly at, just before or just after a chunk boundary (bench/soa
 every `cut_every` turns a session loses a middle chunk of its history from the pool; every
 `corrupt_every` turns its first chunk is overwritten with garbage under the same key (the checksum must
 reject it: a verify failure turns into a recompute, never into served bytes); halfway, store-1 is killed
-and comes back (`moorage up` restarts it, see shared/up.py). Each turn's `usage.moorage` (device / store /
+and comes back (`moorage up` restarts it, see infra/up.py). Each turn's `usage.moorage` (device / store /
 computed tokens) classifies it; the prefills' pool counters give the verify failures. Mismatches, errors
 and bad chunks served must all be 0.
 """
@@ -214,7 +214,7 @@ def run_soak(p: SoakParams, run_dir: str) -> dict:
     from shared.config import load_config
     from shared.natsd import start_nats_server
     from shared.pool import PoolClient, PoolConfig
-    from shared.up import UpConfig, launched
+    from infra.up import UpConfig, launched
 
     nats = start_nats_server()
     try:

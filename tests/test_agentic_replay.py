@@ -327,7 +327,7 @@ def test_measured_ceiling_splits_trace_ceiling():
 
 def test_topology_overrides_are_valid_up_configs():
     from shared.config import load_config
-    from shared.up import UpConfig
+    from infra.up import UpConfig
 
     sets, _ = system.topology_overrides("none", groups=2, device_blocks=100, store_bytes=1 << 20, decode_blocks=300)
     assert "up.pool=false" in sets and not any(s.startswith("up.pool_mode") for s in sets)
@@ -401,7 +401,7 @@ def test_model_flag_is_sent_and_served():
     import argparse
 
     from shared.config import load_config
-    from shared.up import UpConfig
+    from infra.up import UpConfig
 
     sets, _ = system.topology_overrides("shared", store_bytes=1 << 20, model="smollm2-135m")
     assert load_config(UpConfig, overrides=sets).up.model == "smollm2-135m"

@@ -19,7 +19,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.messages import Ack, HandoffDone, PrefillSubmit
 from shared.natsd import NatsServer, start_nats_server
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, nats_url
 
 MILLION = 1_000_000

@@ -13,7 +13,7 @@ import pytest
 
 from shared.config import load_config
 from shared.listeners import comm, descendants, listeners
-from shared.up import NATS_CHILD, UpConfig, launched
+from infra.up import NATS_CHILD, UpConfig, launched
 from tests.natsbus import free_port
 
 MOONCAKE_USERS = ("store", "prefill", "decode")  # processes that run a Mooncake Transfer Engine

@@ -10,7 +10,7 @@ import pytest
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -39,8 +39,8 @@ def test_generate_chat_answers_paris():
 # --- help and status -------------------------------------------------------------------------------
 
 def _main(argv: list[str]) -> int:
-    """shared.cli.main in-process; a sub-parser's --help exits through SystemExit."""
-    from shared.cli import main
+    """infra.cli.main in-process; a sub-parser's --help exits through SystemExit."""
+    from infra.cli import main
 
     try:
         return main(argv)
@@ -140,7 +140,7 @@ def test_status_with_the_bus_down_is_one_line_not_a_hang(tmp_path):
 
 def test_status_table_shows_restarts():
     from shared.messages import LoadReport
-    from shared.status import _restarts_line, format_table
+    from infra.status import _restarts_line, format_table
 
     reports = {("store", "store-0"): (LoadReport(instance="store-0", role="store", ready=True, capacity_tokens=0), 0.0)}
     table = format_table(reports, {"store-0": 2})

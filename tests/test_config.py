@@ -18,7 +18,7 @@ from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from shared.config import ConfigError, describe, load_config, parse_overrides
 from shared.tomlgen import to_toml
-from shared.up import UpConfig
+from infra.up import UpConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,15 +14,15 @@ from services.store.config import StoreConfig
 from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from shared.config import describe
-from shared.configdoc import render
-from shared.up import UpSettings
+from infra.configdoc import render
+from infra.up import UpSettings
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_config_reference_is_current():
     text = README.read_text()
-    assert render(text) == text, "run: python -m shared.configdoc --write README.md"
+    assert render(text) == text, "run: python -m infra.configdoc --write README.md"
 
 
 @pytest.mark.parametrize("cls", [RouterConfig, GateConfig, PrefillConfig, DecodeConfig, MasterConfig, StoreConfig,

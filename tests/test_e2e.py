@@ -21,7 +21,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.messages import LoadReport
 from shared.tracing import read_spans
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 QUESTION = "List three things a code reviewer checks in a pull request, and why each matters."
@@ -211,7 +211,7 @@ def test_one_trace_spans_every_service(system):
 
 def test_status_lists_every_service(system):
     launcher, _, _ = system
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--run-dir", str(launcher.run_dir)],
+    r = subprocess.run([sys.executable, "-m", "infra.cli", "status", "--run-dir", str(launcher.run_dir)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     for role in ("router", "gate", "prefill", "decode"):
@@ -221,7 +221,7 @@ def test_status_lists_every_service(system):
 def test_up_stops_every_process_on_sigterm(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", "tiny", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--model", "tiny", "--port", str(port),
                              "--set", f"up.run_dir={run_dir}", "--set", "up.ready_timeout_s=120"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

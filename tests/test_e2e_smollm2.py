@@ -12,7 +12,7 @@ import pytest
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, nats_url
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def base_url(tmp_path_factory):
 
 def test_chat_equals_moorage_generate(base_url):
     question = "What is the capital of France?"
-    cli = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", "smollm2-135m", "--chat",
+    cli = subprocess.run([sys.executable, "-m", "infra.cli", "generate", "--model", "smollm2-135m", "--chat",
                           "--prompt", question, "--max-tokens", "32"], capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     c = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -26,7 +26,7 @@ from schemathesis import GenerationMode
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -300,7 +300,7 @@ def system(tmp_path_factory, tiny):
     import dataclasses
 
     from shared.config import load_config
-    from shared.up import UpConfig, launched
+    from infra.up import UpConfig, launched
     from tests.natsbus import free_port, nats_url
 
     run_dir = tmp_path_factory.mktemp("crc")

@@ -10,7 +10,7 @@ from shared.config import ConfigError, load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv_sizing import AUTO_SHARE, MemorySpec, parse_memory, size_kv
 from shared.engine.models import load_model
-from shared.up import ENGINE_PROCESS_BYTES, UpConfig, plan, split_kv
+from infra.up import ENGINE_PROCESS_BYTES, UpConfig, plan, split_kv
 
 GiB = 1 << 30
 

@@ -17,7 +17,7 @@ from shared.config import load_config
 from shared.messages import Cancel
 from shared.natsd import CREDENTIAL_FILE, MAX_PAYLOAD_BYTES, NatsCredential, start_nats_server
 from shared.procs import cmdline
-from shared.up import Launcher, UpConfig
+from infra.up import Launcher, UpConfig
 from tests.natsbus import free_port
 
 

@@ -20,7 +20,7 @@ import pytest
 from shared.config import load_config
 from shared.phoenix_api import PhoenixClient
 from shared.tracing import PROJECT
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, nats_url
 from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
 
@@ -86,7 +86,7 @@ def test_phoenix_shows_one_trace_per_request_across_services(tmp_path):
             assert by_name["store.restore"][0]["attributes"]["chunks"] == 2
             assert not [s for s in client.spans(PROJECT) if s["name"].startswith(("GET ", "fastapi."))]
 
-            shown = subprocess.run([sys.executable, "-m", "shared.cli", "trace", "show", rids[-1], "--phoenix",
+            shown = subprocess.run([sys.executable, "-m", "infra.cli", "trace", "show", rids[-1], "--phoenix",
                                     phoenix.url, "--width", "200"], cwd=REPO, capture_output=True, text=True,
                                    timeout=120)
             assert shown.returncode == 0, shown.stderr + shown.stdout

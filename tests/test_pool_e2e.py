@@ -22,7 +22,7 @@ from shared.kv_object import HEADER_BYTES, object_key
 from shared.messages import LoadReport
 from shared.pool import PoolClient, PoolConfig
 from shared.tracing import read_spans
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 MAX_TOKENS = 12

@@ -305,7 +305,7 @@ BOUND_S = 8.0  # the issue's 5 s, with room for a loaded box; the measured times
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, tiny):
     from shared.config import load_config
-    from shared.up import UpConfig, launched
+    from infra.up import UpConfig, launched
     from tests.natsbus import free_port, nats_url
 
     run_dir = tmp_path_factory.mktemp("failfast")

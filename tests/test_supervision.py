@@ -24,7 +24,7 @@ from shared.config import ConfigError, load_config
 from shared.procs import ProcId, wait_gone
 from shared.runstate import clean_stale, read_state, write_state
 from shared.supervise import RestartPolicy, Supervisor, describe_exit
-from shared.up import NATS_CHILD, UpConfig, launched
+from infra.up import NATS_CHILD, UpConfig, launched
 from tests.natsbus import free_port, latest_reports
 
 FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, reset_after_s=60)
@@ -148,7 +148,7 @@ def test_clean_stale_stops_only_our_leftovers_and_refuses_a_live_launcher(tmp_pa
 
 
 def test_a_second_up_on_a_running_run_dir_refuses_and_leaves_its_files(tmp_path):
-    from shared.up import Launcher
+    from infra.up import Launcher
 
     run = tmp_path / "run"
     run.mkdir()
@@ -237,7 +237,7 @@ def test_kill_9_is_restarted_and_serving_resumes(system, victim):
 # --- kill -9 of the launcher -----------------------------------------------------------------------
 
 def start_up(run_dir: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", "tiny", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--model", "tiny", "--port", str(port),
                              "--set", f"up.run_dir={run_dir}", "--set", "up.ready_timeout_s=180",
                              "--set", "up.kv_memory=256MiB", "--set", "up.store_bytes=67108864"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

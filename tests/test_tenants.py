@@ -20,7 +20,7 @@ from shared.hashing import BLOCK_TOKENS, block_hashes, namespace_seed
 from shared.kv_object import object_key
 from shared.kv_tenant import KVNamespace, tenant_namespace
 from shared.messages import LoadReport
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, latest_reports, nats_url
 
 NS = "mrg1-0123456789abcdef"

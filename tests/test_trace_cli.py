@@ -17,7 +17,7 @@ from shared.config import load_config
 from shared.tracecli import parse_since
 from shared.tracequery import breakdown, find_request, read_jsonl, request_traces
 from shared.traceview import waterfall
-from shared.up import UpConfig, launched
+from infra.up import UpConfig, launched
 from tests.natsbus import free_port, nats_url
 from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
 
@@ -105,7 +105,7 @@ def test_waterfall_renders_every_span_in_tree_order():
 
 
 def moorage(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", "trace", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "infra.cli", "trace", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import ConfigError, load_config
-from shared.up import UpConfig, plan
+from infra.up import UpConfig, plan
 
 
 def topology(*overrides: str) -> dict[str, tuple[str, object]]:

@@ -1,7 +1,7 @@
 """`moorage bench sweep`: the same agentic traces at several loads against several topologies.
 
 For every topology (`<none|split|shared>[-<cache-aware|sticky|p2c>]`: no pool, a pool per group, one pool
-shared by every group; the router's routing policy) a fresh system is started with `shared.up.Launcher`
+shared by every group; the router's routing policy) a fresh system is started with `infra.up.Launcher`
 (`--model`, default `tiny`, `--groups` groups, device KV sized so that device memory alone holds well under the
 perfect-cache ceiling), the traces are replayed at each concurrency (`bench.agentic.replay`), and the system
 is stopped. By default one system serves all loads of a topology, each load under its own run tag (its

@@ -15,7 +15,7 @@ from bench.agentic.trace import iter_requests
 
 
 def up_supports(*names: str) -> bool:
-    from shared.up import UpSettings
+    from infra.up import UpSettings
 
     have = {f.name for f in dataclasses.fields(UpSettings)}
     return all(n in have for n in names)
@@ -61,9 +61,9 @@ def topology_overrides(topology: str, groups: int = 1, device_blocks: int = 0, s
 @contextlib.contextmanager
 def running_system(overrides: Sequence[str], run_dir: str | os.PathLike,
                    ready_timeout_s: float = 180.0) -> Iterator[str]:
-    """Start moorage (shared.up.Launcher) with `overrides` on a free port; yield its URL; stop it."""
+    """Start moorage (infra.up.Launcher) with `overrides` on a free port; yield its URL; stop it."""
     from shared.config import load_config
-    from shared.up import UpConfig, launched
+    from infra.up import UpConfig, launched
 
     cfg = load_config(UpConfig, overrides=[f"up.port={free_port()}", f"up.run_dir={run_dir}",
                                            f"up.ready_timeout_s={ready_timeout_s}", *overrides])

@@ -1,7 +1,7 @@
 """`moorage bench aiperf`: NVIDIA AIPerf 0.13 replays a weka-format agent corpus against moorage (SmolLM2),
 streaming, with the KV pool on and off, at several concurrencies; the results side by side.
 
-For each pool setting a fresh system is started (`shared.up.launched`, pool off = `up.pool=false`; KV
+For each pool setting a fresh system is started (`infra.up.launched`, pool off = `up.pool=false`; KV
 sized from the traces as `moorage bench sweep` does, so device memory alone holds well under the
 ceiling) and AIPerf runs once per concurrency against it: `--custom-dataset-type weka_trace`
 (subagents replayed as recorded), `--request-count` = every request of the corpus and `--num-sessions` =

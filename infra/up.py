@@ -44,7 +44,7 @@ from shared.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
 from shared.supervise import RestartPolicy, Supervisor
 from shared.tomlgen import to_toml
 
-CLI_MODULE = "shared.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` with this interpreter
+CLI_MODULE = "infra.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` with this interpreter
 READY_ROLES = ("gate", "prefill", "decode")  # the roles the router's /health lists by instance
 
 NATS_CHILD = "nats-server"  # the embedded bus, supervised like the services

@@ -1,8 +1,8 @@
 """Generates the README's configuration reference from the config dataclasses themselves (each key's
 trailing `# comment` is its description), so the docs cannot drift from the code:
 
-    python -m shared.configdoc --write README.md     # rewrite the section between the markers
-    python -m shared.configdoc --check README.md     # exit 1 if it is stale (a test runs this)
+    python -m infra.configdoc --write README.md     # rewrite the section between the markers
+    python -m infra.configdoc --check README.md     # exit 1 if it is stale (a test runs this)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def reference() -> str:
     from shared.service import LogConfig
     from shared.tracing import TracingConfig
     from shared.transfer import TransferConfig
-    from shared.up import UpSettings
+    from infra.up import UpSettings
 
     parts = [
         "Every service reads one TOML file (`--config`), then environment variables "
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(new)
         return 0
     if new != text:
-        print(f"{path}: configuration reference is stale; run python -m shared.configdoc --write {path}")
+        print(f"{path}: configuration reference is stale; run python -m infra.configdoc --write {path}")
         return 1
     return 0
 

@@ -71,7 +71,7 @@ def _add_up(sub) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from shared.config import load_config
-    from shared.up import UpConfig, run_up
+    from infra.up import UpConfig, run_up
 
     overrides = list(args.set)
     if args.model:
@@ -88,7 +88,7 @@ def _add_status(sub) -> None:
                    help="where the `moorage up` to ask about keeps its state (its up.run_dir; default %(default)s); "
                         "exits 1 saying so when no running system is found there")
     p.add_argument("--prefix", default="moorage", help="bus subject prefix")
-    p.set_defaults(func=lambda a: __import__("shared.status", fromlist=["run_status"]).run_status(
+    p.set_defaults(func=lambda a: __import__("infra.status", fromlist=["run_status"]).run_status(
         a.nats_url, a.run_dir, a.prefix))
 
 

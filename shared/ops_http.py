@@ -97,16 +97,17 @@ class LoadReportCollector:
                     yield g
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service runtime owns SIGTERM / SIGINT."""
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a service's own event loop, without its own signal handling: the service runtime owns
+    SIGTERM / SIGINT."""
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
 
 
-def listen(host: str, port: int, what: str) -> socket.socket:
-    """Bind here, so a port in use is a clear error and port 0 works."""
+def listen(host: str, port: int, what: str, backlog: int = 256) -> socket.socket:
+    """Bind here, so a port in use is a clear error and port 0 works (the chosen port is then logged)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -115,7 +116,7 @@ def listen(host: str, port: int, what: str) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"{what} cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(256)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -129,7 +130,7 @@ class OpsEndpoint:
         self.registry = CollectorRegistry()
         self.registry.register(LoadReportCollector(role, instance, report))
         self.url = ""
-        self._server: _Server | None = None
+        self._server: EmbeddedServer | None = None
         self._task = None
         self._sock: socket.socket | None = None
 
@@ -155,7 +156,7 @@ class OpsEndpoint:
         self._sock = listen(settings.host, settings.port, f"{self.role} http")
         host, port = self._sock.getsockname()[:2]
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        self._server = _Server(uvicorn.Config(self.app(), log_config=None, access_log=False, lifespan="off",
+        self._server = EmbeddedServer(uvicorn.Config(self.app(), log_config=None, access_log=False, lifespan="off",
                                               timeout_keep_alive=30))
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name=f"{self.role}-http")
         return self.url

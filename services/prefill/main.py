@@ -42,6 +42,7 @@ class PrefillService:
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
         self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
+        self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
         self.pool = None  # PoolConnector when the shared pool is enabled
         self.events = None  # KVEventPublisher: a "transferred" event after each handoff
         self.tasks: set[asyncio.Task] = set()
@@ -131,6 +132,8 @@ class PrefillService:
                 continue
             self._trace_compute(p)
             sources = self._sources(p.seq)
+            for source, n in sources.items():
+                self.prompt_tokens[source] += n
             finished_here = out.finished and out.finish_reason != "prefilled"
             usage = make_usage(len(p.seq.prompt_ids), len(p.seq.output_ids), sources) if finished_here else None
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
@@ -220,7 +223,7 @@ class PrefillService:
         return LoadReport(self.ctx.instance, "prefill", unhealthy is None, e.kv_capacity_tokens,
                           e.block_manager.num_free_blocks * e.layout.block_size, len(e.scheduler.running),
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
-                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals,
+                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
                            "pool": dict(self.pool.counters) if self.pool else None,
                            "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})

@@ -6,8 +6,6 @@ open requests still send their Cancel / Release).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 
 import uvicorn
 from nats.aio.msg import Msg
@@ -19,30 +17,8 @@ from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
 from shared.engine.models import load_tokenizer
 from shared.messages import KVEventBatch, LoadReport
+from shared.ops_http import EmbeddedServer, listen
 from shared.service import ServiceContext
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its own signal handling: run_service owns SIGTERM / SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind here, so a port in use is a clear error and port 0 works (the chosen port is logged)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"router cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 async def build_state(config: RouterConfig, bus) -> RouterState:
@@ -80,7 +56,7 @@ async def serve(ctx: ServiceContext) -> None:
 
         await ctx.bus.subscribe(ctx.bus.subjects.kv_events("*"), KVEventBatch, on_kv_events, on_error=on_bad_batch)
 
-    sock = _listen(s.host, s.port)
+    sock = listen(s.host, s.port, "router", backlog=2048)
     url = f"http://{s.host}:{sock.getsockname()[1]}"
 
     def load_report() -> LoadReport:
@@ -88,7 +64,7 @@ async def serve(ctx: ServiceContext) -> None:
                           detail={"http": url, "boot": state.boot})
 
     ctx.load_report = load_report
-    server = _EmbeddedServer(uvicorn.Config(
+    server = EmbeddedServer(uvicorn.Config(
         create_app(state), log_config=None, access_log=False, lifespan="off", proxy_headers=False,
         timeout_graceful_shutdown=s.graceful_shutdown_s + 3, timeout_keep_alive=30))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")

@@ -41,7 +41,7 @@ METRICS = {
     "put_alloc_failures": "master_put_start_alloc_failures_total",
 }
 SEGMENT_METRICS = {"segment_used_bytes": "segment_allocated_bytes{segment}",
-                   "segment_capacity_bytes": "segment_capacity_bytes{segment}"}
+                   "segment_capacity_bytes": "segment_total_capacity_bytes{segment}"}
 HEALTH_TIMEOUT_S = 15.0
 POLL_S = 0.1
 

@@ -110,10 +110,14 @@ def moorage(*args: str) -> subprocess.CompletedProcess:
 
 
 def wait_trace(path: Path, request_id: str, names: set[str], timeout: float = 30.0) -> list[dict]:
-    """The request's trace once every name is in it (services export spans in batches)."""
+    """The request's trace once every name is in it (services export spans in batches, so the file may not even
+    exist yet). Polls: the spans arrive in another process's file, with nothing to await."""
     deadline = time.monotonic() + timeout
     while True:
-        traces = request_traces(read_jsonl(path))
+        try:
+            traces = request_traces(read_jsonl(path))
+        except FileNotFoundError:  # no batch exported yet: the file appears with the first one
+            traces = []
         t = next((t for t in traces if t.request_id == request_id), None)
         if (t and names <= {s["name"] for s in t.spans}) or time.monotonic() > deadline:
             return t.spans if t else []

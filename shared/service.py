@@ -115,6 +115,9 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
     finally:
         ctx.serving = False
         notify("STOPPING=1")
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not turn a clean exit into -15
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         for hook in reversed(ctx.on_stop):
             with contextlib.suppress(Exception):
                 await hook()

@@ -219,3 +219,15 @@ async def test_sigterm_answers_waiters_exports_the_span_and_exits_0(start_gate, 
     assert a["attributes"]["decision"] == "admitted" and a["attributes"]["decode_instance"] == "d0"
     assert a["attributes"]["prompt_tokens"] == 800 and a["attributes"]["max_tokens"] == 0
     assert by_id["b"]["attributes"]["decision"] == "unavailable" and by_id["b"]["attributes"]["wait_ms"] > 0
+
+
+def test_repeated_sigterm_during_shutdown_still_exits_0(start_gate):
+    """Supervisors and test harnesses often signal twice (terminate, then terminate-and-wait). Each
+    signal after the first must be ignored, including after the event loop has closed and while the
+    interpreter tears down; before, that window ended the process with -15."""
+    gate = start_gate()
+    deadline = time.monotonic() + 10
+    while gate.proc.poll() is None and time.monotonic() < deadline:
+        gate.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert gate.proc.wait(5) == 0, gate.tail()

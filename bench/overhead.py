@@ -4,10 +4,14 @@
 
 On a launched system (tiny model; nats + gate + prefill + decode + router as processes), ~32-token
 prompts, max_tokens=1 (the request ends at prefill, no handoff):
-(a) POST /v1/completions through the router (httpx keep-alive, non-streaming) vs (b) PrefillSubmit
+(a) POST /v1/completions through the router (one keep-alive connection, non-streaming) vs (b) PrefillSubmit
 straight to prefill-0 on the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order
 alternating per iteration, after a warm-up; distinct random prompts. (c), after each pair: the same POST
 for an unknown model (404 before anything reaches the bus): the floor of the HTTP stack and this client.
+
+The HTTP client is aiohttp by default (`--client httpx` for the one the openai package uses): measured
+here against the same FastAPI app, httpx's own work is ~1.1-1.3 ms per request and aiohttp's ~0.2 ms
+above a bare socket, which would otherwise count as the router's overhead.
 
 The breakdown of (a) comes from each request's trace: the `router.request` span's stage events
 (prepared, routed, admitted, subscribed, acked, first_chunk, finishing), the `gate.admit` span and the
@@ -28,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 import torch
@@ -73,30 +78,51 @@ def summary(xs: list[float]) -> dict:
             "mean_ms": statistics.fmean(xs), "min_ms": min(xs), "max_ms": max(xs)}
 
 
+class HttpClient:
+    """POST JSON on one keep-alive connection: aiohttp (default) or httpx. -> (status, request id, body)."""
+
+    def __init__(self, base: str, kind: str = "aiohttp"):
+        self.base, self.kind = base, kind
+
+    async def __aenter__(self) -> "HttpClient":
+        self.c = (aiohttp.ClientSession(self.base, connector=aiohttp.TCPConnector(limit=1)) if self.kind == "aiohttp"
+                  else httpx.AsyncClient(base_url=self.base, timeout=60))
+        await self.c.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.c.__aexit__(*exc)
+
+    async def post(self, path: str, body: dict) -> tuple[int, str, dict]:
+        if self.kind == "httpx":
+            r = await self.c.post(path, json=body)
+            return r.status_code, r.headers.get("x-request-id", ""), r.json()
+        async with self.c.post(path, json=body) as r:
+            return r.status, r.headers.get("x-request-id", ""), await r.json()
+
+
 async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: dict, g: torch.Generator) -> dict:
-    """(a) via router vs (b) direct, interleaved; p: overhead_n, overhead_warm. Marks for the breakdown."""
+    """(a) via router vs (b) direct, interleaved; p: overhead_n, overhead_warm, client. Marks for the breakdown."""
     bus = await Bus.connect(BusConfig(url=nats_url), "bench-overhead")
     subjects, router_ms, direct_ms, router_marks, direct_marks, floor_ms = bus.subjects, [], [], [], [], []
     sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
     prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
 
-    async def via_router(client: httpx.AsyncClient) -> tuple[float, dict]:
+    async def via_router(client: HttpClient) -> tuple[float, dict]:
         body = {"model": model, "prompt": prompt(), "max_tokens": 1, "temperature": 0, "ignore_eos": True}
         send, t0 = time.time_ns(), time.perf_counter()
-        r = await client.post("/v1/completions", json=body)
-        r.raise_for_status()
-        r.json()
+        status, rid, out = await client.post("/v1/completions", body)
+        assert status == 200, out
         dt, recv = time.perf_counter() - t0, time.time_ns()
-        return dt, {"rid": r.headers["x-request-id"], "client_send": send, "client_recv": recv}
+        return dt, {"rid": rid, "client_send": send, "client_recv": recv}
 
-    async def http_floor(client: httpx.AsyncClient) -> float:
+    async def http_floor(client: HttpClient) -> float:
         """(c) the same POST, but for an unknown model: HTTP both ways, body parse + validation, a 404 error
         body, and nothing on the bus: the router's HTTP stack and this client, without gate or prefill."""
         body = {"model": "no-such-model", "prompt": prompt(), "max_tokens": 1, "temperature": 0, "ignore_eos": True}
         t0 = time.perf_counter()
-        r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 404, r.text
-        r.json()
+        status, _, out = await client.post("/v1/completions", body)
+        assert status == 404, out
         return time.perf_counter() - t0
 
     async def direct() -> tuple[float, dict]:
@@ -124,7 +150,7 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
         return dt, marks
 
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        async with HttpClient(base, p.get("client", "aiohttp")) as client:
             for i in range(p["overhead_warm"] + p["overhead_n"]):
                 order = (0, 1, 2) if i % 2 == 0 else (1, 0, 2)  # alternate which of (a), (b) goes first
                 for which in order:
@@ -140,7 +166,8 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
     finally:
         await bus.close()
     r, d = summary(router_ms), summary(direct_ms)
-    return {"model": model, "prompt_tokens": 32, "max_tokens": 1, "n": len(router_ms), "router": r, "direct": d,
+    return {"model": model, "prompt_tokens": 32, "max_tokens": 1, "n": len(router_ms), "client": p.get("client", "aiohttp"),
+            "router": r, "direct": d,
             "overhead_p50_ms": r["p50_ms"] - d["p50_ms"], "overhead_p90_ms": r["p90_ms"] - d["p90_ms"],
             "overhead_p99_ms": r["p99_ms"] - d["p99_ms"],
             "paired_diff": summary([a - b for a, b in zip(router_ms, direct_ms)]),
@@ -192,7 +219,7 @@ def run(model: str, p: dict) -> dict:
     g = torch.Generator().manual_seed(SEED)
     with tempfile.TemporaryDirectory(prefix=f"bench-overhead-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}",
-                                               "up.ready_timeout_s=600"])
+                                               "up.ready_timeout_s=600", *p.get("set", [])])
         launcher = Launcher(cfg)
         try:
             base = launcher.start()
@@ -222,7 +249,7 @@ def table(o: dict) -> str:
     b = o.get("breakdown")
     if not b:
         return t
-    rows = [["(a) " + k, v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["router"].items()]
+    rows = [[f"(a) {k}", v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["router"].items()]
     rows += [["(b) " + k, v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["direct"].items()]
     return t + "\n\nBreakdown (per stage over requests; stages of a path add up to its latency):\n\n" + md_table(
         ["stage", "p50 ms", "p90 ms", "mean ms"], rows)
@@ -266,14 +293,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200, help="measured iterations (one request per path each)")
     ap.add_argument("--warm", type=int, default=10, help="warm-up iterations, not measured")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp", help="the HTTP client of (a) and (c)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `moorage up --set` override, e.g. gate.gate.budget_fraction=0.5 (repeatable)")
     ap.add_argument("--label", default="", help="a note stored in the JSON (e.g. before / after)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/overhead-<time>/overhead.json)")
     args = ap.parse_args(argv)
     args.out = args.out or f"runs/overhead-{time.strftime('%Y%m%d-%H%M%S')}/overhead.json"
     info, t_start = machine_info(), time.perf_counter()
-    over = run("tiny", {"overhead_n": args.n, "overhead_warm": args.warm})
+    over = run("tiny", {"overhead_n": args.n, "overhead_warm": args.warm, "client": args.client, "set": args.set})
     result = {"command": " ".join(["python -m bench.overhead", *(argv if argv is not None else sys.argv[1:])]),
-              "machine": info, "label": args.label, "params": {"seed": SEED, "n": args.n, "warm": args.warm},
+              "machine": info, "label": args.label, "params": {"seed": SEED, "n": args.n, "warm": args.warm, "client": args.client, "set": args.set},
               "overhead": over}
     write_result(result, args.out, t_start, plot, report)
 

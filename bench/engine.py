@@ -7,6 +7,8 @@ prefilling the 8 x 4.5K-token decode contexts for both engines; --quick: ~70 s, 
     .venv/bin/python -m bench.engine --out bench/results/engine.json
     .venv/bin/python -m bench.engine --quick --out bench/results/engine-quick.json
     .venv/bin/python -m bench.engine --sections peer --out /tmp/peer.json   # only the peer comparison
+    .venv/bin/python -m bench.engine --sections kernels --update bench/results/engine.json  # kernels only,
+        # into the committed result (its other sections and their machine info kept, a note says when)
 
 On a machine shared with other jobs add `--threads 1`: a 2-thread torch run slows down many-fold
 (17x measured for SmolLM2 prefill) whenever another process holds one of the cores.
@@ -60,7 +62,7 @@ FULL = dict(prefill=[(SMOL, 2048, 2048, 3), (SMOL, 2048, 512, 3), (SMOL, 8191, 2
                      ("tiny", 2048, 2048, 3), ("tiny", 2048, 512, 3), ("tiny", 16384, 2048, 1)],
             decode_batches=[1, 8, 32], decode_prompt_tokens=64, decode_max_tokens=32,
             kernel_tokens=[2048, 8192], kernel_cps=[1, 2, 4], kernel_pool_blocks=512,
-            kernel_budget_s=0.5, kernel_min_iters=5, kernel_max_iters=50)
+            kernel_budget_s=1.0, kernel_min_iters=9, kernel_max_iters=60)
 QUICK = dict(prefill=[(SMOL, 256, 256, 1), (SMOL, 256, 128, 1), ("tiny", 512, 512, 1), ("tiny", 512, 128, 1)],
              decode_batches=[1, 4], decode_prompt_tokens=32, decode_max_tokens=5,
              kernel_tokens=[512], kernel_cps=[1, 2], kernel_pool_blocks=64,
@@ -176,7 +178,7 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
         short = "f32" if dtype == torch.float32 else "bf16"
         for stages in (1, 2):  # one 256-token chunk (16 blocks) of stage 0, random block ids in a pool
             lay = KVLayout(L, H, D, dtype=dtype, stages=stages)
-            pages = allocate_pages(lay, p["kernel_pool_blocks"])[0]
+            pages = allocate_pages(lay, p["kernel_pool_blocks"])[0].fill_(1)  # written: real memory, not the zero page
             ids = torch.randperm(p["kernel_pool_blocks"], generator=g)[:16]
             buf = torch.empty(lay.chunk_payload_bytes(0) // lay.elem_bytes, dtype=dtype)
             for name, fn in (("pack_chunk", lambda: K.pack_chunk(pages, ids, out=buf)),
@@ -188,14 +190,14 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
         row = L * 2 * H * D
         for n in p["kernel_tokens"]:
             nb = -(-n // 16)
-            pages = allocate_pages(lay, nb)
+            pages = [x.fill_(1) for x in allocate_pages(lay, nb)]  # written, as the copy's source is
             table = torch.randperm(nb, generator=g)
             for cp in p["kernel_cps"]:
                 outs = [torch.empty(rank_num_tokens(n, cp, r) * row, dtype=dtype) for r in range(cp)]
                 record("gather_for_ranks", f"gather {short} {tok(n)} cp{cp}", dtype, n * lay.bytes_per_token,
                        lambda: K.gather_for_ranks(pages, table, n, cp, lay, outs=outs), tokens=n, cp=cp, stages=1)
                 t_r = rank_num_tokens(n, cp, 0)  # rank 0 holds the most tokens
-                rpages, rtable = allocate_pages(lay, -(-t_r // 16))[0], torch.randperm(-(-t_r // 16), generator=g)
+                rpages, rtable = allocate_pages(lay, -(-t_r // 16))[0].fill_(0), torch.randperm(-(-t_r // 16), generator=g)
                 record("scatter_from_rank", f"scatter {short} {tok(n)} cp{cp}", dtype, t_r * lay.bytes_per_token,
                        lambda: K.scatter_from_rank(outs[0], rpages, rtable, t_r), tokens=n, cp=cp, rank_tokens=t_r)
                 del outs, rpages
@@ -475,12 +477,38 @@ def peer_plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _merge(path: str, new: dict, sections: list[str]) -> dict:
+    """The earlier result at `path` with `sections` replaced by `new`'s. `command` and `machine` become
+    this run's; `base_run` keeps the earlier run's, which measured every other section (a note says so)."""
+    import json
+
+    with open(path) as f:
+        old = json.load(f)
+    if "base_run" not in old:
+        old["base_run"] = {"command": old["command"], "machine": old["machine"],
+                           "total_wall_s": old.get("total_wall_s"), "sections": old["sections"]}
+    for name in sections:
+        old[name] = new[name]
+    if "kernels" in sections:
+        old["kernel_backend"] = new["kernel_backend"]
+        old["params"].update({k: v for k, v in new["params"].items() if k.startswith("kernel")})
+    old["command"], old["machine"] = new["command"], new["machine"]
+    kept = [x for x in old["base_run"]["sections"] if x not in sections]
+    old["notes"] = [n for n in old["notes"] if not n.startswith("updated:")] + [
+        f"updated: {', '.join(sections)} measured {new['machine']['date']} by 'command' on 'machine'; "
+        f"{', '.join(kept)} are from the earlier run in 'base_run'"]
+    return old
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI smoke (a couple of minutes)")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--update", default=None, metavar="JSON",
+                    help="replace only the measured sections of this earlier result (JSON and PNG rewritten in place; "
+                         "the other sections, and the machine info they were measured with, are kept)")
     args = ap.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
     if unknown := set(sections) - set(SECTIONS):
@@ -527,18 +555,24 @@ def main(argv: list[str] | None = None) -> None:
             "the machine may be shared: compare the matmul calibration at start/end (and load averages); "
             "a 2-thread torch run slows down many-fold when another process holds a core",
             "kernels: SmolLM2 layout; pack/unpack = 16 random blocks of stage 0 in a pool; gather = all "
-            "ranks of a stages=1 prefill; scatter = rank 0 buffer into its own pages; out buffers preallocated",
+            "ranks of a stages=1 prefill; scatter = rank 0 buffer into its own pages; out buffers preallocated; "
+            "pages written before timing (calloc'd pages never written read as the shared zero page: cache-hot, "
+            "which flattered gather and pack before 2026-11-30 21:05)",
             "peer: see the module docstring (bench/engine.py); same process, same threads, steps interleaved",
         ],
         "prefill": prefill, "decode": decode, "kv_bytes_per_token": kv_bytes(models), "kernels": kernels,
         "peer": peer,
     }
+    measured = list(sections)
+    if args.update:
+        result, args.out = _merge(args.update, result, sections), args.update
+        sections = result["base_run"]["sections"]
     base = all(x in sections for x in ("prefill", "decode", "kernels"))
 
     def plots(r: dict, path: str) -> None:
         if base:
             plot(r, path)
-        if r["peer"]:
+        if r["peer"] and "peer" in measured:
             peer_plot(r, path if not base else path.removesuffix(".png") + "-peer.png")
 
     write_result(result, args.out, t_start, plots, lambda r: (report(r) if base else "") + peer_report(r))

@@ -39,7 +39,7 @@ from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
 from shared.tracing import read_spans
-from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport
+from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport, plan_writes
 from infra.up import Launcher, UpConfig
 
 SEED = 20240601
@@ -111,10 +111,9 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
         log(f"{model} {n} tok: warm request {warm_s:.1f} s")
         warm = wait_spans(traces, ("kv.handoff",), {rid})["kv.handoff"][rid]["attributes"]
         nbytes, writes = warm["bytes"], warm["writes"]
-        token_bytes = nbytes // n  # the handoff's windows: whole 16-token blocks, at most one slot each
-        window = (DEFAULT_SLOT_BYTES // token_bytes) // 16 * 16 * token_bytes
-        pieces = [min(window, nbytes - o) for o in range(0, nbytes, window)]
-        assert len(pieces) == writes, (pieces, writes)
+        window = DEFAULT_SLOT_BYTES  # the handoff's windows: exactly one slot each, the last one shorter
+        pieces = [length for _, length in plan_writes(nbytes, window)]
+        assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
         raw, raw_s, reps = RawTE(pieces), [], []
         try:  # raw writes interleaved with the handoff repeats: both see the same machine load
             for _ in range(p["repeats"]):
@@ -137,6 +136,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
         nbytes, writes = spans[0]["bytes"], spans[0]["writes"]
         gbps, wgbps = nbytes / med["duration_ms"] / 1e6, nbytes / med["write_ms"] / 1e6
         case = {"model": model, "prompt_tokens": n, "bytes": nbytes, "MB": nbytes / 1e6, "writes": writes,
+                "writes_expected": -(-nbytes // DEFAULT_SLOT_BYTES),
                 "rounds": spans[0]["rounds"], "piece_bytes": window, "repeats": len(spans),
                 **{f"median_{k}": v for k, v in med.items()},
                 "median_other_ms": med["duration_ms"] - med["gather_ms"] - med["write_ms"] - med["scatter_ms"],
@@ -186,9 +186,9 @@ def report(r: dict) -> str:
             f"{m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}; matmul calibration start "
             f"{m['calibration_matmul_GFLOPs_at_start']:.1f} / end {m['calibration_matmul_GFLOPs_at_end']:.1f} GFLOP/s; "
             f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
-    t1 = md_table(["model", "prompt tok", "MB", "writes", "rounds", "handoff ms", "gather ms", "write ms", "scatter ms",
+    t1 = md_table(["model", "prompt tok", "MB", "writes", "ceil(B/slot)", "rounds", "handoff ms", "gather ms", "write ms", "scatter ms",
                    "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "handoff/raw", "write/raw"],
-                  [[c["model"], c["prompt_tokens"], c["MB"], c["writes"], c["rounds"], c["median_duration_ms"],
+                  [[c["model"], c["prompt_tokens"], c["MB"], c["writes"], c["writes_expected"], c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
                     c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["ratio_handoff_vs_raw"],
                     c["ratio_write_vs_raw"]] for c in r["handoff"]])
@@ -263,8 +263,12 @@ def main(argv: list[str] | None = None) -> None:
                   "*GBps": "1e9 bytes/second", "ratio_*": "GBps / raw_GBps"},
         "notes": [
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
-            "other ms = handoff span - gather - write - scatter: bus round trips (SlotRequest, SlotsFilled, "
-            "HandoffDone), staging/slot bookkeeping, thread hops; scatter runs inside the SlotsFilled round trip",
+            "handoff windows are exactly one slot (8 MiB) of the rank buffer, cut at byte offsets: writes = "
+            "ceil(bytes / slot_bytes) (writes_expected); decode joins tokens cut by a window edge",
+            "gather, write and scatter are pipelined (gather of window i+1 and decode's scatter of window i-1 run "
+            "while window i is written; HandoffDone goes out with the last SlotsFilled), so gather + write + "
+            "scatter can exceed the handoff span: other ms = span - gather - write - scatter is then negative; "
+            "gather_ms is time in the gathering thread (incl. CRC), scatter_ms decode's (incl. verify)",
             "raw TE: one write() of the handoff's pieces (same sizes) from one source to one destination buffer of "
             "the full size, two engines in the bench process; raw_per_repeat writes before each handoff repeat",
             "overhead: (a) and (b) interleaved, order alternating, after warm-up; distinct random 32-token prompts",

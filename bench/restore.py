@@ -194,7 +194,9 @@ def bench_size(model: str, n: int, k: int, p: dict, g: torch.Generator) -> dict:
     rs = [x["restore"] for c in ("pool", "pool_other_history") for x in samples[c] if x["restore"]]
     nbytes = nch * obj
     ms = statistics.median(r["ms"] for r in rs)
-    read_ms = statistics.median(r["ms"] - sum(v for k_, v in r.items() if k_.startswith("stage")) for r in rs)
+    # pipelined restores report the time they waited for reads; before, reads and stages were serial
+    read_ms = statistics.median(r["read_wait_ms"] if "read_wait_ms" in r else
+                                r["ms"] - sum(v for k_, v in r.items() if k_.startswith("stage")) for r in rs)
     rb, r1 = statistics.median(raw.times["batched"]), statistics.median(raw.times["one_call"])
     out["restore"] = {"bytes": nbytes, "MB": nbytes / 1e6, "n_spans": len(rs), "all_bytes_match": all(
         r["bytes"] == nbytes for r in rs), "median_ms": ms, "median_read_ms": read_ms, "GBps": nbytes / ms / 1e6,
@@ -270,13 +272,14 @@ def report(r: dict) -> str:
                    x["GBps"], x["read_GBps"], x["raw_batched_GBps"], x["raw_one_call_GBps"],
                    x["ratio_restore_vs_raw_batched"], x["ratio_read_vs_raw_batched"]]
                   for s in sz for x in [s["restore"]]]), "",
-        md_table(["pool (tiny, 2K prompts)", "rounds x requests", "median req/s", "median prompt tok/s",
-                  "median p50 latency ms", "req/s per round"],
-                 [[k, f"{len(t['rounds'][k])} x {t['requests_per_round']}",
-                   *(t["median"][k][x] for x in ("req_per_s", "prompt_tok_per_s", "p50_latency_ms")),
-                   ", ".join(f"{x['req_per_s']:.2f}" for x in t["rounds"][k])] for k in ("on", "off")]),
-        f"\npool on / off (median req/s): {t['ratio_on_vs_off_req_per_s']:.3f}; pool-on prefill counters "
-        f"{t['pool_on_counters']}\n", "Notes: " + "; ".join(r["notes"])])
+        *([] if t is None else [md_table(
+            ["pool (tiny, 2K prompts)", "rounds x requests", "median req/s", "median prompt tok/s",
+             "median p50 latency ms", "req/s per round"],
+            [[k, f"{len(t['rounds'][k])} x {t['requests_per_round']}",
+              *(t["median"][k][x] for x in ("req_per_s", "prompt_tok_per_s", "p50_latency_ms")),
+              ", ".join(f"{x['req_per_s']:.2f}" for x in t["rounds"][k])] for k in ("on", "off")]),
+            f"\npool on / off (median req/s): {t['ratio_on_vs_off_req_per_s']:.3f}; pool-on prefill counters "
+            f"{t['pool_on_counters']}\n"]), "Notes: " + "; ".join(r["notes"])])
 
 
 def plot(r: dict, path: str) -> None:
@@ -308,18 +311,22 @@ def plot(r: dict, path: str) -> None:
     bx.set(ylabel="GB/s (1e9 B / median time)", title="Restore vs raw Mooncake reads of the same objects")
     bx.set_xticks(range(len(sz)), [f"{x}\n{s['restore']['MB']:.0f} MB" for x, s in zip(ticks, sz)], fontsize=8)
     bx.legend(fontsize=7)
-    for i, k in enumerate(("on", "off")):
-        x = t["median"][k]
-        cx.bar_label(cx.bar(i, x["req_per_s"], 0.6, color=f"C{i + 4}"), fontsize=8,
-                     labels=[f"{x['req_per_s']:.2f} req/s\n{x['prompt_tok_per_s']:.0f} tok/s"])
-        cx.plot([i] * len(t["rounds"][k]), [x["req_per_s"] for x in t["rounds"][k]], "k.",
-                label="rounds" if i else None)
-    cx.set_xticks([0, 1], ["pool on (saves)", "pool off"])
-    cx.set(ylabel="requests/s (median of rounds)", ylim=(0, 1.3 * max(x["req_per_s"] for v in t["rounds"].values()
-                                                                          for x in v)))
-    cx.set_title(f"No-reuse {t['prompt_tokens']}-tok prompts, tiny, {t['threads']} threads: on/off "
-                 f"{t['ratio_on_vs_off_req_per_s']:.3f}", fontsize=9)
-    cx.legend(fontsize=8, loc="lower right")
+    if t is None:
+        cx.axis("off")
+        cx.text(0.05, 0.5, "pool on/off throughput:\nbench/results/zero_hit.json", fontsize=9)
+    else:
+        for i, k in enumerate(("on", "off")):
+            x = t["median"][k]
+            cx.bar_label(cx.bar(i, x["req_per_s"], 0.6, color=f"C{i + 4}"), fontsize=8,
+                         labels=[f"{x['req_per_s']:.2f} req/s\n{x['prompt_tok_per_s']:.0f} tok/s"])
+            cx.plot([i] * len(t["rounds"][k]), [x["req_per_s"] for x in t["rounds"][k]], "k.",
+                    label="rounds" if i else None)
+        cx.set_xticks([0, 1], ["pool on (saves)", "pool off"])
+        cx.set(ylabel="requests/s (median of rounds)", ylim=(0, 1.3 * max(x["req_per_s"] for v in t["rounds"].values()
+                                                                              for x in v)))
+        cx.set_title(f"No-reuse {t['prompt_tokens']}-tok prompts, tiny, {t['threads']} threads: on/off "
+                     f"{t['ratio_on_vs_off_req_per_s']:.3f}", fontsize=9)
+        cx.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -328,11 +335,21 @@ def plot(r: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny 2K only, fewer repeats (< 2 minutes)")
+    ap.add_argument("--sizes", default=None, help="only these of the full sizes, e.g. smollm2-135m:2048,smollm2-135m:7936")
+    ap.add_argument("--turns", type=int, default=None, help="turns per size (default: full 3, quick 2)")
+    ap.add_argument("--no-throughput", action="store_true", help="skip part 3 (bench/zero_hit.py measures it properly)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/restore-<time>/restore.json, "
                                                 "gitignored; pass bench/results/restore.json to update the committed one)")
     args = ap.parse_args(argv)
     args.out = args.out or f"runs/restore-{time.strftime('%Y%m%d-%H%M%S')}/restore.json"
-    p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
+    p, info, t_start = dict(QUICK if args.quick else FULL), machine_info(), time.perf_counter()
+    if args.sizes:
+        want = [tuple(x.rsplit(":", 1)) for x in args.sizes.split(",")]
+        p["sizes"] = [sz for sz in p["sizes"] if (sz[0], str(sz[1])) in want]
+        if len(p["sizes"]) != len(want):
+            raise SystemExit(f"--sizes {args.sizes}: not all of them are in {p['sizes']}")
+    if args.turns:
+        p["turns"] = args.turns
     g = torch.Generator().manual_seed(SEED)
     ttft = [bench_size(model, n, k, p, g) for model, n, k in p["sizes"]]
     bad = [f"{s['model']} {s['prefix_tokens']} {c}" for s in ttft for c, v in s["cases"].items() if not v["usage_ok"]]
@@ -346,11 +363,14 @@ def main(argv: list[str] | None = None) -> None:
                    "in hand); server_ttft_ms (router span) and first_event_ms per sample in the JSON",
                    "pool = H + y_t after E + z_t evicted H from device (the prefill has blocks for one prompt); "
                    "pool_other_history = those E + z_t requests, in the JSON, their spans in the restore GB/s",
-                   "read ms = store.restore ms - stage ms (verify + unpack): batched get_into calls and thread hops",
+                   "read ms = the restore span's read_wait_ms (time waiting for batched reads; reads are pipelined "
+                   "with verify + unpack) where the span has it, else store.restore ms - stage ms (verify + unpack)",
                    "throughput: both systems up at once, rounds alternate which goes first; a round ends at its last "
                    "response (then waits for an idle prefill, so saves never overlap the other system's round)",
                    f"usage NOT as expected for: {', '.join(bad)}" if bad else "usage.moorage as expected everywhere"],
-         "ttft": ttft, "throughput": bench_throughput(p, g)}
+         "ttft": ttft, "throughput": None if args.no_throughput else bench_throughput(p, g)}
+    if args.no_throughput:
+        r["notes"].append("throughput (part 3) not run here: bench/results/zero_hit.json measures it with a CI")
     write_result(r, args.out, t_start, plot, report)
 
 

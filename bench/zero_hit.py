@@ -14,6 +14,13 @@ Each round also counts the CPU seconds (user + system, /proc) of every process o
 nats-server and mooncake_master, from its start to the idle report (so its saves are in): requests per
 CPU-second is the cost measure that the other load on a shared machine disturbs least.
 
+With `--compare OVERRIDE` (repeatable) a third system runs: a second pool-on configuration ("on_b"), in
+the same blocks, the three systems in every order in turn. E.g. the old save policy (at once, one put per
+chunk) against the default (deferred to idle time, one batched put):
+
+    .venv/bin/python -m bench.zero_hit --pairs 30 --requests 8 --compare prefill.pool.save_when_idle=false \
+        --compare prefill.pool.save_batch_chunks=1 --out bench/results/zero_hit.json
+
 Statistics: per pair the ratio on/off of requests/s (and of requests per CPU-second); the ratio of the means over pairs (and the geometric
 mean of the per-pair ratios) with 95% intervals from a bootstrap over pairs (numpy, 20,000 resamples,
 percentile interval). Goal (issue 11): >= 0.98 of pool-off throughput.
@@ -22,6 +29,7 @@ percentile interval). Goal (issue 11): >= 0.98 of pool-off throughput.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import os
@@ -109,34 +117,49 @@ def ratio_ci(on: np.ndarray, off: np.ndarray, seed: int = SEED) -> dict:
             "pair_ratios": [float(x) for x in on / off]}
 
 
-def bench(pairs: int, requests: int, threads: int, prompt: int, extra_on: list[str]) -> dict:
+ORDERS3 = [("on", "off", "on_b"), ("on_b", "off", "on"), ("off", "on_b", "on"), ("on", "on_b", "off"),
+           ("on_b", "on", "off"), ("off", "on", "on_b")]  # every order once per 6 blocks
+
+
+def bench(pairs: int, requests: int, threads: int, prompt: int, extra_on: list[str],
+          extra_b: list[str] | None = None) -> dict:
+    """Blocks of one round per system: (on, off) in ABBA order, or with `extra_b` a third system (a
+    second pool-on configuration, "on_b") and the three in every order in turn."""
     g = torch.Generator().manual_seed(SEED)
     vocab = load_tokenizer("tiny")[0].vocab_size
     total = (2 * pairs * requests + 4) * (prompt // CHUNK_TOKENS) * chunk_bytes("tiny")
     store_bytes = int(total * 0.75 / 0.85) + (64 << 20)  # every chunk saved fits: no eviction in the measurement
-    rounds: dict[str, list[dict]] = {"on": [], "off": []}
-    with System("pool-on", "tiny", [f"up.store_bytes={store_bytes}", *extra_on]) as on, \
-            System("pool-off", "tiny", ["up.pool=false"]) as off:
-        systems = {"on": on, "off": off}
+    keys = ("on", "off") if extra_b is None else ("on", "off", "on_b")
+    rounds: dict[str, list[dict]] = {k: [] for k in keys}
+    with contextlib.ExitStack() as stack:
+        systems = {"on": stack.enter_context(System("pool-on", "tiny", [f"up.store_bytes={store_bytes}", *extra_on])),
+                   "off": stack.enter_context(System("pool-off", "tiny", ["up.pool=false"]))}
+        if extra_b is not None:
+            systems["on_b"] = stack.enter_context(System("pool-on-b", "tiny", [f"up.store_bytes={store_bytes}",
+                                                                                *extra_b]))
         for s in systems.values():
             one_round(s, [rand(g, vocab, prompt) for _ in range(threads)], threads)  # warm-up
         for i in range(pairs):
-            for key in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            order = ORDERS3[i % 6] if extra_b is not None else (("on", "off") if i % 2 == 0 else ("off", "on"))
+            for key in order:
                 rounds[key].append(one_round(systems[key], [rand(g, vocab, prompt) for _ in range(requests)], threads))
-            log(f"pair {i}: on {rounds['on'][-1]['req_per_s']:.2f} / off {rounds['off'][-1]['req_per_s']:.2f} req/s")
-        counters = on.report.detail.get("pool")
-    on_r = np.array([r["req_per_s"] for r in rounds["on"]])
-    off_r = np.array([r["req_per_s"] for r in rounds["off"]])
+            log(f"block {i}: " + " / ".join(f"{k} {rounds[k][-1]['req_per_s']:.2f}" for k in keys) + " req/s")
+        counters = {k: systems[k].report.detail.get("pool") for k in keys if k != "off"}
+    tput = {k: np.array([r["req_per_s"] for r in v]) for k, v in rounds.items()}
     # CPU: requests per CPU-second, so that on/off < 1 means the pool costs, like the throughput ratio
-    on_c = np.array([1e3 / r["cpu_ms_per_request"] for r in rounds["on"]])
-    off_c = np.array([1e3 / r["cpu_ms_per_request"] for r in rounds["off"]])
-    return {"model": "tiny", "prompt_tokens": prompt, "requests_per_round": requests, "threads": threads,
-            "store_bytes": store_bytes, "pool_on_extra": extra_on, "rounds": rounds,
-            "median_req_per_s": {"on": float(np.median(on_r)), "off": float(np.median(off_r))},
-            "ratio": ratio_ci(on_r, off_r), "cpu_ratio": ratio_ci(on_c, off_c),
-            "median_cpu_ms_per_request": {k: float(np.median([r["cpu_ms_per_request"] for r in v]))
-                                          for k, v in rounds.items()},
-            "pool_on_counters": counters}
+    cpu = {k: np.array([1e3 / r["cpu_ms_per_request"] for r in v]) for k, v in rounds.items()}
+    out = {"model": "tiny", "prompt_tokens": prompt, "requests_per_round": requests, "threads": threads,
+           "store_bytes": store_bytes, "pool_on_extra": extra_on, "rounds": rounds,
+           "median_req_per_s": {k: float(np.median(v)) for k, v in tput.items()},
+           "ratio": ratio_ci(tput["on"], tput["off"]), "cpu_ratio": ratio_ci(cpu["on"], cpu["off"]),
+           "median_cpu_ms_per_request": {k: float(np.median([r["cpu_ms_per_request"] for r in v]))
+                                         for k, v in rounds.items()},
+           "pool_on_counters": counters["on"]}
+    if extra_b is not None:
+        out.update(pool_on_b_extra=extra_b, pool_on_b_counters=counters["on_b"],
+                   ratio_b=ratio_ci(tput["on_b"], tput["off"]), cpu_ratio_b=ratio_ci(cpu["on_b"], cpu["off"]),
+                   ratio_on_vs_b=ratio_ci(tput["on"], tput["on_b"]))
+    return out
 
 
 def report(r: dict) -> str:
@@ -149,7 +172,7 @@ def report(r: dict) -> str:
                   "median p50 latency ms"],
                  [[k, f"{len(t['rounds'][k])} x {t['requests_per_round']}", t["median_req_per_s"][k],
                    statistics.fmean(x["req_per_s"] for x in t["rounds"][k]), t["median_cpu_ms_per_request"][k],
-                   statistics.median(x["p50_latency_ms"] for x in t["rounds"][k])] for k in ("on", "off")]),
+                   statistics.median(x["p50_latency_ms"] for x in t["rounds"][k])] for k in t["rounds"]]),
         "",
         f"on/off, ratio of means: {q['ratio_of_means']:.3f} (95% CI {q['ratio_of_means_ci95'][0]:.3f} - "
         f"{q['ratio_of_means_ci95'][1]:.3f}); geometric mean of pair ratios {q['geomean_pair_ratio']:.3f} (95% CI "
@@ -158,7 +181,15 @@ def report(r: dict) -> str:
         f"{c['ratio_of_means']:.3f} (95% CI {c['ratio_of_means_ci95'][0]:.3f} - {c['ratio_of_means_ci95'][1]:.3f}); "
         f"median CPU ms/request on {t['median_cpu_ms_per_request']['on']:.1f}, off "
         f"{t['median_cpu_ms_per_request']['off']:.1f}",
-        f"pool-on counters: {t['pool_on_counters']}"])
+        f"pool-on counters: {t['pool_on_counters']}",
+        *([] if "ratio_b" not in t else [
+            f"\nsecond pool-on system (on_b: {' '.join(t['pool_on_b_extra'])}), on_b/off: "
+            f"{t['ratio_b']['ratio_of_means']:.3f} (95% CI {t['ratio_b']['ratio_of_means_ci95'][0]:.3f} - "
+            f"{t['ratio_b']['ratio_of_means_ci95'][1]:.3f}); per CPU-second {t['cpu_ratio_b']['ratio_of_means']:.3f} "
+            f"(95% CI {t['cpu_ratio_b']['ratio_of_means_ci95'][0]:.3f} - {t['cpu_ratio_b']['ratio_of_means_ci95'][1]:.3f});"
+            f" on/on_b {t['ratio_on_vs_b']['ratio_of_means']:.3f} (95% CI "
+            f"{t['ratio_on_vs_b']['ratio_of_means_ci95'][0]:.3f} - {t['ratio_on_vs_b']['ratio_of_means_ci95'][1]:.3f})",
+            f"on_b counters: {t['pool_on_b_counters']}"])])
 
 
 def plot(r: dict, path: str) -> None:
@@ -168,12 +199,18 @@ def plot(r: dict, path: str) -> None:
 
     t, q = r["result"], r["result"]["ratio"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
-    for k in ("on", "off"):
+    for k in t["rounds"]:
         ax.plot([x["req_per_s"] for x in t["rounds"][k]], "o-", label=f"pool {k}")
-    ax.set(xlabel="pair (ABBA order)", ylabel="requests/s", title=f"tiny, {t['prompt_tokens']}-tok distinct prompts, "
+    ax.set(xlabel="block (alternating order)", ylabel="requests/s", title=f"tiny, {t['prompt_tokens']}-tok distinct prompts, "
                                                                   f"{t['threads']} threads")
     ax.legend()
-    bx.hist(q["pair_ratios"], bins=15)
+    bx.hist(q["pair_ratios"], bins=15, alpha=0.6, label="on / off")
+    if "ratio_b" in t:
+        qb = t["ratio_b"]
+        bx.hist(qb["pair_ratios"], bins=15, alpha=0.5, color="C2", label=f"on_b / off ({' '.join(t['pool_on_b_extra'])})")
+        lo_b, hi_b = qb["ratio_of_means_ci95"]
+        bx.axvspan(lo_b, hi_b, alpha=0.15, color="C2", label=f"on_b: 95% CI [{lo_b:.3f}, {hi_b:.3f}]")
+        bx.axvline(qb["ratio_of_means"], color="C2", label=f"on_b ratio of means {qb['ratio_of_means']:.3f}")
     lo, hi = q["ratio_of_means_ci95"]
     bx.axvspan(lo, hi, alpha=0.2, color="C1", label=f"95% CI of ratio of means [{lo:.3f}, {hi:.3f}]")
     bx.axvline(q["ratio_of_means"], color="C1", label=f"ratio of means {q['ratio_of_means']:.3f}")
@@ -187,16 +224,18 @@ def plot(r: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=20, help="(on, off) round pairs, ABBA order")
+    ap.add_argument("--pairs", type=int, default=20, help="blocks of one round per system (alternating order)")
     ap.add_argument("--requests", type=int, default=12, help="requests per round")
     ap.add_argument("--threads", type=int, default=4, help="client threads")
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (distinct random ids)")
     ap.add_argument("--on", action="append", default=[], help="extra config override for the pool-on system")
+    ap.add_argument("--compare", action="append", default=None,
+                    help="run a second pool-on system (on_b) with this override (repeatable), in the same blocks")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/zero_hit-<time>/zero_hit.json)")
     args = ap.parse_args(argv)
     args.out = args.out or f"runs/zero_hit-{time.strftime('%Y%m%d-%H%M%S')}/zero_hit.json"
     info, t_start = machine_info(), time.perf_counter()
-    result = bench(args.pairs, args.requests, args.threads, args.prompt, args.on)
+    result = bench(args.pairs, args.requests, args.threads, args.prompt, args.on, args.compare)
     r = {"command": " ".join(["python -m bench.zero_hit", *(argv if argv is not None else sys.argv[1:])]),
          "machine": info, "params": vars(args) | {"seed": SEED, "bootstrap": BOOT, "max_tokens": MAX_TOKENS},
          "result": result}

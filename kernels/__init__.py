@@ -10,8 +10,11 @@ Every backend is a module exposing four functions with the signatures of `kernel
 Backends are registered by module path plus an availability predicate, and imported only when
 selected, so e.g. triton/aiter are never imported on a CPU host. Auto-selection takes the first
 available backend (registration order) serving the device type, falling back to reference.
-`MOORAGE_KV_KERNELS=reference|triton|aiter` forces one; if it is unknown, unavailable or does not
+`MOORAGE_KV_KERNELS=reference|cpu|triton|aiter` forces one; if it is unknown, unavailable or does not
 serve the device, get_kv_kernels raises instead of silently running something else.
+
+On CPU, `cpu` (kernels/cpu_kv.py: one strided-copy C routine compiled at first use, no index tensors)
+is picked when it builds, else `reference`.
 
 Plugging in a fast backend: add the module (e.g. kernels/triton_kv.py) with the four functions,
 make tests compare it against kernels.reference on the device; the entry below already points there.
@@ -76,11 +79,18 @@ def register_backend(name: str, module: str, device_types: tuple[str, ...] | Non
     _LOADED.pop(name, None)
 
 
+def _cpu_kv_available() -> bool:
+    from kernels import cpu_kv  # ctypes only; builds (or finds the cached .so) once per process
+
+    return cpu_kv.available()
+
+
 # ROCm torch reports device type "cuda"; torch.version.hip tells the two apart.
 register_backend("aiter", "kernels.aiter_kv", ("cuda",),
                  lambda: torch.version.hip is not None and _has("aiter") and _has("kernels.aiter_kv"))
 register_backend("triton", "kernels.triton_kv", ("cuda",),
                  lambda: _has("triton") and _has("kernels.triton_kv"))
+register_backend("cpu", "kernels.cpu_kv", ("cpu",), lambda: _cpu_kv_available())
 register_backend("reference", "kernels.reference", None, lambda: True)
 
 

@@ -24,23 +24,13 @@ GEMM-bound there and a hand-written one would not beat it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
 from kernels import attention_reference as _ref
+from kernels.cbuild import CACHE_ENV, CKernel  # noqa: F401 (CACHE_ENV: re-exported)
 
-log = logging.getLogger(__name__)
 
-CACHE_ENV = "MOORAGE_KERNEL_CACHE"
 _C_SOURCE = r"""/* Paged decode attention (one query token per sequence) straight from block-major KV pages:
  * online softmax across blocks, split-K over the context (flash-decoding), GQA without copies. */
 #include <math.h>
@@ -293,92 +283,9 @@ _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_G, _MAX_D, _MAX_BS = 64, 256, 128  # as in the C source (and block_size % 8 == 0)
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib" (ctypes function) or "error" (str), set once per process
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moorage" / "kernels"
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    return None
-
-
-def _cpu_id() -> str:
-    """-march=native code only runs on the CPU it was built for: the cache key names the CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-def _build(cc: str, flags: list[str]) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_C_SOURCE, " ".join(flags), cc, version, _cpu_id()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"paged_attention-{key}.so"
-    if out.exists():
-        return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(out.parent, os.W_OK):
-            raise PermissionError(out.parent)
-    except OSError:  # read-only home (containers): a per-user temp dir
-        out = Path(tempfile.gettempdir()) / f"moorage-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}" / out.name
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "paged_attention.c"
-        src.write_text(_C_SOURCE)
-        so = Path(tmp) / out.name
-        r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} {' '.join(flags)} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(so, out)
-    return out
-
-
-def _load():
-    """The ctypes function, building it if needed; raises RuntimeError when unavailable."""
-    if "lib" not in _state and "error" not in _state:
-        with _lock:
-            if "lib" not in _state and "error" not in _state:
-                errors = []
-                cc = _compiler()
-                if cc is None:
-                    errors.append("no C compiler (set CC or install gcc)")
-                for extra in _FLAG_SETS if cc else ():
-                    try:
-                        fn = ctypes.CDLL(str(_build(cc, _BASE_FLAGS + extra))).moorage_paged_decode
-                        fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
-                        _state["lib"], _state["flags"] = fn, " ".join(_BASE_FLAGS + extra)
-                        break
-                    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                        errors.append(str(e))
-                if "lib" not in _state:
-                    _state["error"] = "; ".join(errors)
-                    log.warning("CPU paged attention kernel unavailable, using the torch reference: %s",
-                                _state["error"])
-    if "lib" not in _state:
-        raise RuntimeError(f"CPU paged attention kernel unavailable: {_state['error']}")
-    return _state["lib"]
-
-
-def available() -> bool:
-    try:
-        _load()
-        return True
-    except RuntimeError:
-        return False
+KERNEL = CKernel("paged_attention", _C_SOURCE, "moorage_paged_decode", _ARGTYPES, list(_FLAG_SETS),
+                 base_flags=_BASE_FLAGS, libs=["-lm"], what="CPU paged attention kernel")
+_load, available = KERNEL.load, KERNEL.available
 
 
 def supports(q: torch.Tensor, pages: torch.Tensor) -> bool:

@@ -20,9 +20,9 @@ from shared.kv_layout import KVLayout
 IndexLike = torch.Tensor | Sequence[int]
 
 
-def rank_num_tokens(num_tokens: int, cp: int, rank: int) -> int:
-    """Tokens held by decode rank `rank` of `cp`: those t < num_tokens with t % cp == rank."""
-    return len(range(rank, num_tokens, cp))
+def rank_num_tokens(num_tokens: int, cp: int, rank: int, first: int = 0) -> int:
+    """Tokens held by decode rank `rank` of `cp`: those first <= t < num_tokens with t % cp == rank."""
+    return len(range(first + (rank - first) % cp, num_tokens, cp))
 
 
 def _check_pages(pages: torch.Tensor, what: str) -> None:
@@ -99,6 +99,42 @@ def unpack_chunk(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike)
     pages_s.index_copy_(0, ids, src)
 
 
+def validate_gather(stage_pages: list[torch.Tensor], block_table: IndexLike, num_tokens: int, cp: int,
+                    layout: KVLayout, outs: list[torch.Tensor] | None, first: int = 0
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """gather_for_ranks' checks (every backend's): (used table entries, one [T_r, L, 2, H, D] view per
+    rank to write, what to return: `outs` as given, else new buffers). Raises ValueError first."""
+    if cp < 1:
+        raise ValueError(f"gather_for_ranks: cp must be >= 1, got {cp}")
+    if len(stage_pages) != layout.stages:
+        raise ValueError(f"gather_for_ranks: {len(stage_pages)} stage pages for {layout.stages} stages")
+    p0 = stage_pages[0]
+    for s, p in enumerate(stage_pages):
+        if tuple(p.shape) != layout.page_shape(s, p0.shape[0]):
+            raise ValueError(f"gather_for_ranks: stage {s} pages {tuple(p.shape)} != "
+                             f"{layout.page_shape(s, p0.shape[0])}")
+        if p.dtype != layout.dtype or p.device != p0.device:
+            raise ValueError(f"gather_for_ranks: stage {s} pages are {p.dtype} on {p.device}, "
+                             f"expected {layout.dtype} on {p0.device}")
+    if not 0 <= first <= max(num_tokens, 0):
+        raise ValueError(f"gather_for_ranks: first token {first} outside [0, {num_tokens}]")
+    if outs is not None and len(outs) != cp:
+        raise ValueError(f"gather_for_ranks: {len(outs)} output buffers for cp={cp}")
+    table = _table_prefix(block_table, num_tokens, p0, "gather_for_ranks", unique=False)
+    row = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+
+    views, results = [], []
+    for r in range(cp):
+        shape = (rank_num_tokens(num_tokens, cp, r, first), *row)
+        if outs is None:
+            results.append(torch.empty(shape, dtype=layout.dtype, device=p0.device))
+            views.append(results[-1])
+        else:
+            views.append(_as_view(outs[r], shape, p0, f"gather_for_ranks outs[{r}]"))
+            results.append(outs[r])
+    return table, views, results
+
+
 def gather_for_ranks(
     stage_pages: list[torch.Tensor],
     block_table: IndexLike,
@@ -106,44 +142,22 @@ def gather_for_ranks(
     cp: int,
     layout: KVLayout,
     outs: list[torch.Tensor] | None = None,
+    first: int = 0,
 ) -> list[torch.Tensor]:
-    """Prefill pages (every stage, every token) -> one [T_r, L, 2, H, D] buffer per decode rank r < cp.
+    """Prefill pages (every stage, tokens [first, num_tokens)) -> one [T_r, L, 2, H, D] buffer per decode
+    rank r < cp.
 
-    Rank r gets tokens r, r+cp, ... in order; the layer axis runs over stage 0's layers, then stage 1's...
-    Given `outs` (one per rank, exact numel, may be flat) are filled and returned as is.
+    Rank r gets its tokens (t % cp == r) in order; the layer axis runs over stage 0's layers, then stage
+    1's... Given `outs` (one per rank, exact numel, may be flat) are filled and returned as is. `first`
+    > 0 gathers a slice of the sequence (a handoff window that starts mid-block): the table still
+    starts at token 0.
     """
-    if cp < 1:
-        raise ValueError(f"gather_for_ranks: cp must be >= 1, got {cp}")
-    if len(stage_pages) != layout.stages:
-        raise ValueError(f"gather_for_ranks: {len(stage_pages)} stage pages for {layout.stages} stages")
-    first = stage_pages[0]
-    for s, p in enumerate(stage_pages):
-        if tuple(p.shape) != layout.page_shape(s, first.shape[0]):
-            raise ValueError(f"gather_for_ranks: stage {s} pages {tuple(p.shape)} != "
-                             f"{layout.page_shape(s, first.shape[0])}")
-        if p.dtype != layout.dtype or p.device != first.device:
-            raise ValueError(f"gather_for_ranks: stage {s} pages are {p.dtype} on {p.device}, "
-                             f"expected {layout.dtype} on {first.device}")
-    if outs is not None and len(outs) != cp:
-        raise ValueError(f"gather_for_ranks: {len(outs)} output buffers for cp={cp}")
-    table = _table_prefix(block_table, num_tokens, first, "gather_for_ranks", unique=False)
-    B, L = layout.block_size, layout.num_layers
-    row = (L, 2, layout.num_kv_heads, layout.head_dim)
-
-    views, results = [], []
-    for r in range(cp):
-        shape = (rank_num_tokens(num_tokens, cp, r), *row)
-        if outs is None:
-            results.append(torch.empty(shape, dtype=layout.dtype, device=first.device))
-            views.append(results[-1])
-        else:
-            views.append(_as_view(outs[r], shape, first, f"gather_for_ranks outs[{r}]"))
-            results.append(outs[r])
-
+    table, views, results = validate_gather(stage_pages, block_table, num_tokens, cp, layout, outs, first)
+    B, device = layout.block_size, stage_pages[0].device
     for r, view in enumerate(views):
-        if view.shape[0] == 0:  # num_tokens <= r (arange would reject the empty range)
+        if view.shape[0] == 0:  # no token of this rank in range (arange would reject the empty range)
             continue
-        t = torch.arange(r, num_tokens, cp, device=first.device)
+        t = torch.arange(first + (r - first) % cp, num_tokens, cp, device=device)
         blk, off = table[t // B], t % B
         for s, pages_s in enumerate(stage_pages):
             span = layout.stage_layers(s)
@@ -153,14 +167,17 @@ def gather_for_ranks(
 
 
 def scatter_from_rank(buf: torch.Tensor, pages: torch.Tensor, block_table: IndexLike,
-                      num_tokens_rank: int) -> None:
+                      num_tokens_rank: int, first: int = 0) -> None:
     """A landed rank buffer [T_r, L, 2, H, D] (or flat) -> the rank's single-stage pages holding all L layers.
 
-    Local token i goes to block block_table[i // B] slot i % B; other slots are left untouched.
+    The buffer holds local tokens [first, first + T_r); local token i goes to block block_table[i // B]
+    slot i % B (the table starts at local token 0); other slots are left untouched.
     """
     _check_pages(pages, "scatter_from_rank")
     _, L, _, B, H, D = pages.shape
+    if first < 0:
+        raise ValueError(f"scatter_from_rank: first token must be >= 0, got {first}")
     src = _as_view(buf, (num_tokens_rank, L, 2, H, D), pages, "scatter_from_rank buf")
-    table = _table_prefix(block_table, num_tokens_rank, pages, "scatter_from_rank", unique=True)
-    i = torch.arange(num_tokens_rank, device=pages.device)
+    table = _table_prefix(block_table, first + num_tokens_rank, pages, "scatter_from_rank", unique=True)
+    i = torch.arange(first, first + num_tokens_rank, device=pages.device)
     pages[table[i // B], :, :, i % B] = src

@@ -3,18 +3,22 @@
 Key: `{namespace}/s{stage}of{stages}/{digest hex}`, so deployments whose KV differs in meaning (model,
 dtype, layout, stage split, tenant) can never read each other's objects. A restore verifies every field
 of the header and the payload checksum; any mismatch is a miss, never data.
+
+Format versions: 1 checksummed the payload with zlib's CRC-32; 2 (this one) uses CRC-32C (the `crc32c`
+package: hardware instructions, GIL released, ~6-10x faster than zlib here, the same CRC the handoffs
+carry). A version-1 object is refused by `verify` (another format version): a miss, recomputed.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
+import crc32c
 import torch
 
 MAGIC = b"MRGKV1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: payload CRC-32C (1: zlib CRC-32, refused)
 HEADER_BYTES = 128
 _HEADER = struct.Struct("<6sHHHIQI16s64s")  # magic, version, stage, stages, tokens, payload bytes, crc32, digest, namespace
 assert _HEADER.size <= HEADER_BYTES
@@ -35,7 +39,8 @@ class ObjectSpec:
 
 
 def checksum(payload: torch.Tensor) -> int:
-    return zlib.crc32(payload.numpy())
+    """CRC-32C of a contiguous CPU uint8 tensor, read in place (releases the GIL)."""
+    return crc32c.crc32c(payload.numpy())
 
 
 def write_header(dst: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> None:
@@ -54,8 +59,10 @@ def verify(obj: torch.Tensor, spec: ObjectSpec) -> str | None:
         return f"size {obj.numel()} != {HEADER_BYTES + spec.payload_bytes}"
     magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
         obj[:_HEADER.size].numpy().tobytes())
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return "not a moorage KV object (or another format version)"
+    if magic != MAGIC:
+        return "not a moorage KV object"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, not {FORMAT_VERSION}"
     got = (ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens, nbytes)
     want = (spec.namespace, spec.digest, spec.stage, spec.stages, spec.tokens, spec.payload_bytes)
     if got != want:

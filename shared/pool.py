@@ -201,10 +201,13 @@ class PoolClient:
         return out
 
     def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 group_id: str | None = None, *, preferred_segment: str | None = None) -> list[int]:
+                 group_id: str | Sequence[str] | None = None, *,
+                 preferred_segment: str | None = None) -> list[int]:
         """Store [addrs[i], addrs[i] + sizes[i]) under keys[i]: 0 or a negative code per key.
 
-        With group_id every object of this call joins that eviction group (evicted all-or-none).
+        With group_id (one string) every object of this call joins that eviction group (evicted
+        all-or-none); a list gives each key its own group (group_id[i] for keys[i]), so one call can put
+        several groups (a request's chunks, each chunk's stages one group).
         An existing key answers 0 and keeps its old value. "Pool full" (-200) is retried for up to
         put_retry_s. preferred_segment (a store's "host:port") asks for placement on that store.
         Raises ValueError for duplicate keys and for sizes outside 1..max_object_bytes.
@@ -215,18 +218,21 @@ class PoolClient:
         bad = [n for n in sizes if not 0 < n <= self.config.max_object_bytes]
         if bad:  # a put the master can never place makes it evict: refuse it before asking
             raise ValueError(f"object size {bad[0]} outside 1..{self.config.max_object_bytes} (max_object_bytes)")
+        groups = None if group_id is None else [group_id] * len(keys) if isinstance(group_id, str) else list(group_id)
+        if groups is not None and len(groups) != len(keys):
+            raise ValueError("group_id as a list needs one group per key")
         store = self._live()
         out: list[int] = []
         for lo, hi in self._chunks(len(keys)):
             out += self._put_chunk(store, list(keys[lo:hi]), list(addrs[lo:hi]), list(sizes[lo:hi]),
-                                   group_id, preferred_segment)
+                                   None if groups is None else groups[lo:hi], preferred_segment)
         return out
 
-    def _put_chunk(self, store, keys, addrs, sizes, group_id, preferred_segment) -> list[int]:
+    def _put_chunk(self, store, keys, addrs, sizes, groups, preferred_segment) -> list[int]:
         def put(idx: list[int]) -> list[int]:
             cfg = self._replicate_cls()
-            if group_id is not None:
-                cfg.group_ids = [group_id] * len(idx)
+            if groups is not None:
+                cfg.group_ids = [groups[i] for i in idx]
             if preferred_segment:
                 cfg.preferred_segment = preferred_segment
             return self._call(lambda k, a, n: store.batch_put_from(k, a, n, cfg), len(idx),

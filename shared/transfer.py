@@ -208,13 +208,15 @@ class LandingSlots:
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"bad sizes: num_slots={num_slots}, slot_bytes={slot_bytes}")
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
+        # Written once now: a slot's first write must not page-fault its way in (~2K faults per 8 MiB slot,
+        # paid inside the peer's transfer), and never-written bytes are zeros, not old heap contents.
+        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8).fill_(0)
         self._transport = transport
         if transport is not None:
             transport.register(self.buffer)
         self._base = self.buffer.data_ptr()
         self._lock = threading.Lock()
-        self._free: deque[int] = deque(range(num_slots))
+        self._free: deque[int] = deque(reversed(range(num_slots)))  # acquire pops from the right: 0 first
         self._held: dict[int, str] = {}
         self._by_owner: dict[str, set[int]] = {}
 
@@ -223,9 +225,10 @@ class LandingSlots:
         return len(self._free)
 
     def acquire(self, n: int, owner: str) -> list[Slot]:
-        """Up to n free slots for `owner` (fewer, possibly none, when short)."""
+        """Up to n free slots for `owner` (fewer, possibly none, when short): the most recently released
+        first (last in, first out), whose bytes are likeliest still in cache."""
         with self._lock:
-            ids = [self._free.popleft() for _ in range(min(max(n, 0), len(self._free)))]
+            ids = [self._free.pop() for _ in range(min(max(n, 0), len(self._free)))]
             for s in ids:
                 self._held[s] = owner
             if ids:

@@ -231,15 +231,17 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
 
         flip = torch.zeros(1, dtype=torch.uint8)  # the rogue engine's registered source byte
         rogue.register(flip)
-        real_write, corrupted = p_te.write, []
+        real_write, corrupted, written = p_te.write, [], []
 
         def write_then_corrupt(peer, src, dst, lens):
             real_write(peer, src, dst, lens)
-            if not corrupted:  # the first round's second piece, after prefill wrote it, before decode checks
-                k = lens[1] // 3
-                flip[0] = ctypes.string_at(src[1] + k, 1)[0] ^ 0xFF
-                rogue.write(peer, [flip.data_ptr()], [dst[1] + k], [1])
-                corrupted.append(dst[1] + k)
+            for j in range(len(lens)):  # the handoff's second piece, after prefill wrote it, before decode checks
+                if len(written) == 1 and not corrupted:
+                    k = lens[j] // 3
+                    flip[0] = ctypes.string_at(src[j] + k, 1)[0] ^ 0xFF
+                    rogue.write(peer, [flip.data_ptr()], [dst[j] + k], [1])
+                    corrupted.append(dst[j] + k)
+                written.append(dst[j])
 
         monkeypatch.setattr(p_te, "write", write_then_corrupt)
         try:
@@ -278,8 +280,11 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
             await asyncio.wait_for(finished.wait(), 30)
             got = done.output_ids + [t for c in chunks for t in c.token_ids]
             assert got == want.output_ids and not any(c.error for c in chunks)
-            # the bad handoff's first piece passed its check (it was scattered, then freed with the rest)
-            assert decode.zone.checks == HandoffChecks(verified=stats.writes + 1, failures=1)
+            # the bad handoff's first piece passed its check (scattered, then freed with the rest) unless the
+            # refusal of the second (its own SlotsFilled, pipelined) dropped the landing first
+            checks = decode.zone.checks
+            assert checks.failures == 1 and checks.unverified == 0
+            assert stats.writes <= checks.verified <= stats.writes + 1
         finally:
             await decode.stop()
             slots.close()

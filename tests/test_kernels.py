@@ -1,17 +1,25 @@
-"""Reference KV kernels: exact round trips over odd sizes, stages, ranks and dtypes; dispatch rules."""
+"""KV copy kernels, every CPU backend (the torch reference and the C one, kernels/cpu_kv.py): exact round
+trips over odd sizes, stages, ranks and dtypes, windows that start mid-block, the C backend byte for byte
+equal to the reference, and the dispatch rules."""
 
 from __future__ import annotations
+
+import platform
+import re
 
 import pytest
 import torch
 
 import kernels
-from kernels import get_kv_kernels
-from kernels.reference import (gather_for_ranks, pack_chunk, rank_num_tokens, scatter_from_rank,
-                               unpack_chunk)
+from kernels import cpu_kv, get_kv_kernels
+from kernels import reference as ref
+from kernels.reference import rank_num_tokens
 from shared.kv_layout import KVLayout, allocate_pages
 
 DTYPES = [torch.float32, torch.bfloat16]
+CPU_OK = cpu_kv.available()
+needs_cpu = pytest.mark.skipif(not CPU_OK, reason="the CPU KV copy kernel did not build (no C compiler?)")
+BACKENDS = [pytest.param(ref, id="reference"), pytest.param(cpu_kv, id="cpu", marks=needs_cpu)]
 
 
 def _random_pages(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
@@ -31,33 +39,35 @@ def _token_kv(stage_pages, layout: KVLayout, table: list[int], t: int) -> torch.
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_blocks", [1, 3, 16])
-def test_pack_unpack_round_trip_into_other_blocks(dtype, n_blocks):
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_pack_unpack_round_trip_into_other_blocks(kv, dtype, n_blocks):
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=dtype, stages=2)
     src = _random_pages(layout, 40)
     src_ids = torch.randperm(40)[:n_blocks]
     dst_ids = [(int(i) + 7) % 40 for i in src_ids]
     for s in range(layout.stages):
-        buf = pack_chunk(src[s], src_ids)
+        buf = kv.pack_chunk(src[s], src_ids)
         assert buf.is_contiguous() and buf.shape == (n_blocks, *src[s].shape[1:])
         assert torch.equal(buf, src[s][src_ids])
         dst = _poison(src[s].shape, dtype)
-        unpack_chunk(buf.flatten(), dst, dst_ids)  # flat buffer, as landed from the store
+        kv.unpack_chunk(buf.flatten(), dst, dst_ids)  # flat buffer, as landed from the store
         assert torch.equal(dst[dst_ids], src[s][src_ids])
         others = [b for b in range(40) if b not in dst_ids]
         assert dst[others].isnan().all()  # untouched
 
 
-def test_pack_into_preallocated_flat_out():
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_pack_into_preallocated_flat_out(kv):
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)
     (pages,) = _random_pages(layout, 20)
     ids = list(range(3, 19))
     out = _poison((pages[0].numel() * len(ids),), torch.float32)
-    assert pack_chunk(pages, ids, out=out) is out
+    assert kv.pack_chunk(pages, ids, out=out) is out
     assert torch.equal(out.view(len(ids), *pages.shape[1:]), pages[ids])
     with pytest.raises(ValueError, match="numel"):
-        pack_chunk(pages, ids, out=torch.empty(out.numel() - 1))
+        kv.pack_chunk(pages, ids, out=torch.empty(out.numel() - 1))
     with pytest.raises(ValueError, match="dtype"):
-        pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.bfloat16))
+        kv.pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.bfloat16))
 
 
 LAYOUTS = [
@@ -71,7 +81,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout_i", range(len(LAYOUTS)))
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 37, 255, 257])
-def test_gather_scatter_round_trip(dtype, layout_i, cp, num_tokens):
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_gather_scatter_round_trip(kv, dtype, layout_i, cp, num_tokens):
     base = LAYOUTS[layout_i]
     layout = KVLayout(base.num_layers, base.num_kv_heads, base.head_dim, dtype=dtype, stages=base.stages)
     B, L, H, D = layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim
@@ -80,7 +91,7 @@ def test_gather_scatter_round_trip(dtype, layout_i, cp, num_tokens):
     table = torch.randperm(nb_prefill)[: -(-num_tokens // B)].tolist()
 
     outs = [_poison((rank_num_tokens(num_tokens, cp, r) * L * 2 * H * D,), dtype) for r in range(cp)]
-    bufs = gather_for_ranks(prefill, table, num_tokens, cp, layout, outs=outs)
+    bufs = kv.gather_for_ranks(prefill, table, num_tokens, cp, layout, outs=outs)
     assert all(b is o for b, o in zip(bufs, outs))
     assert sum(b.numel() for b in bufs) == num_tokens * L * 2 * H * D
     assert not any(b.isnan().any() for b in bufs)  # every element written
@@ -95,7 +106,7 @@ def test_gather_scatter_round_trip(dtype, layout_i, cp, num_tokens):
         (pages,) = allocate_pages(decode_layout, nb)
         pages.fill_(float("nan"))
         dtable = list(range(nb - 1, 1, -1))[: -(-T_r // B)]  # reversed, skipping blocks 0 and 1
-        scatter_from_rank(buf, pages, dtable, T_r)
+        kv.scatter_from_rank(buf, pages, dtable, T_r)
         for i in range(T_r):
             assert torch.equal(_token_kv([pages], decode_layout, dtable, i),
                                _token_kv(prefill, layout, table, r + i * cp))
@@ -107,53 +118,141 @@ def test_gather_scatter_round_trip(dtype, layout_i, cp, num_tokens):
         assert not slot_nan[written].any() and slot_nan[~written].all()  # partial tail untouched
 
 
-def test_gather_fewer_tokens_than_ranks_and_empty():
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_gather_fewer_tokens_than_ranks_and_empty(kv):
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, stages=2)
     pages = _random_pages(layout, 2)
-    bufs = gather_for_ranks(pages, [1], 2, 4, layout)
+    bufs = kv.gather_for_ranks(pages, [1], 2, 4, layout)
     assert [b.shape[0] for b in bufs] == [1, 1, 0, 0]
     assert torch.equal(bufs[1][0], _token_kv(pages, layout, [1], 1))
-    assert [b.shape[0] for b in gather_for_ranks(pages, [], 0, 2, layout)] == [0, 0]
+    assert [b.shape[0] for b in kv.gather_for_ranks(pages, [], 0, 2, layout)] == [0, 0]
 
 
-def test_validation_errors():
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_validation_errors(kv):
     layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=2, stages=2)
     pages = allocate_pages(layout, 4)
     with pytest.raises(ValueError, match="block table"):
-        gather_for_ranks(pages, [0, 1], 33, 2, layout)
+        kv.gather_for_ranks(pages, [0, 1], 33, 2, layout)
     with pytest.raises(ValueError, match="out of range"):
-        gather_for_ranks(pages, [0, 4], 20, 2, layout)
+        kv.gather_for_ranks(pages, [0, 4], 20, 2, layout)
     with pytest.raises(ValueError, match="cp"):
-        gather_for_ranks(pages, [0], 3, 0, layout)
+        kv.gather_for_ranks(pages, [0], 3, 0, layout)
     with pytest.raises(ValueError, match="stage pages"):
-        gather_for_ranks(pages[:1], [0], 3, 1, layout)
+        kv.gather_for_ranks(pages[:1], [0], 3, 1, layout)
     with pytest.raises(ValueError, match="stage 1 pages"):
-        gather_for_ranks([pages[0], pages[0]], [0], 3, 1, layout)
+        kv.gather_for_ranks([pages[0], pages[0]], [0], 3, 1, layout)
     with pytest.raises(ValueError, match="outs"):
-        gather_for_ranks(pages, [0], 3, 1, layout, outs=[torch.empty(5)])
+        kv.gather_for_ranks(pages, [0], 3, 1, layout, outs=[torch.empty(5)])
     with pytest.raises(ValueError, match="duplicate"):
-        unpack_chunk(pack_chunk(pages[0], [0, 1]), pages[0], [2, 2])
+        kv.unpack_chunk(kv.pack_chunk(pages[0], [0, 1]), pages[0], [2, 2])
     with pytest.raises(ValueError, match="numel"):
-        unpack_chunk(torch.empty(3), pages[0], [2])
+        kv.unpack_chunk(torch.empty(3), pages[0], [2])
     with pytest.raises(ValueError, match="expected pages"):
-        pack_chunk(torch.empty(4, 2, 2, 16), [0])
+        kv.pack_chunk(torch.empty(4, 2, 2, 16), [0])
     (dpages,) = allocate_pages(KVLayout(3, 1, 2), 4)
     with pytest.raises(ValueError, match="numel"):
-        scatter_from_rank(torch.empty(5, 3, 2, 1, 2), dpages, [0], 6)
+        kv.scatter_from_rank(torch.empty(5, 3, 2, 1, 2), dpages, [0], 6)
     with pytest.raises(ValueError, match="dtype"):
-        scatter_from_rank(torch.empty(5, 3, 2, 1, 2, dtype=torch.bfloat16), dpages, [0], 5)
+        kv.scatter_from_rank(torch.empty(5, 3, 2, 1, 2, dtype=torch.bfloat16), dpages, [0], 5)
     with pytest.raises(ValueError, match="block table"):
-        scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0], 17)
+        kv.scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0], 17)
     with pytest.raises(ValueError, match="duplicate"):
-        scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0, 0], 17)
+        kv.scatter_from_rank(torch.empty(17, 3, 2, 1, 2), dpages, [0, 0], 17)
 
 
-def test_dispatch_default_reference_on_cpu(monkeypatch):
+@pytest.mark.parametrize("kv", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cp", [1, 3])
+@pytest.mark.parametrize("first,end", [(0, 0), (5, 5), (3, 17), (16, 33), (17, 100), (250, 257)])
+def test_gather_and_scatter_a_window_that_starts_mid_block(kv, dtype, cp, first, end):
+    """first > 0 (a handoff window cut at a byte offset): the same rows as the whole gather, and a
+    window scattered alone writes exactly its tokens' slots."""
+    layout = KVLayout(num_layers=5, num_kv_heads=1, head_dim=4, dtype=dtype, stages=2)
+    pages = _random_pages(layout, 20, seed=first + end)
+    table = torch.randperm(20)[:17].tolist()
+    whole = ref.gather_for_ranks(pages, table, end, cp, layout)
+    part = kv.gather_for_ranks(pages, table, end, cp, layout, first=first)
+    for r in range(cp):
+        keep = [i for i, t in enumerate(range(r, end, cp)) if t >= first]
+        assert part[r].shape[0] == rank_num_tokens(end, cp, r, first) == len(keep)
+        assert torch.equal(part[r], whole[r][keep])
+    decode_layout = KVLayout(5, 1, 4, dtype=dtype)
+    (dst,) = allocate_pages(decode_layout, 20)
+    dst.fill_(float("nan"))
+    dtable = list(range(19, 2, -1))
+    rows = ref.gather_for_ranks(pages, table, end, 1, layout, first=first)[0]
+    kv.scatter_from_rank(rows, dst, dtable, end - first, first)
+    for t in range(end):
+        got = _token_kv([dst], decode_layout, dtable, t)
+        assert torch.equal(got, _token_kv(pages, layout, table, t)) if t >= first else got.isnan().all()
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_backend_equals_reference_at_model_sizes(dtype):
+    """SmolLM2's layout (30 layers, 3 heads x 64), random tables, a partial last block: bit for bit."""
+    layout = KVLayout(30, 3, 64, dtype=dtype)
+    pages = _random_pages(layout, 24, seed=3)
+    table = torch.randperm(24)[:21].tolist()
+    n = 20 * 16 + 5
+    a, b = ref.gather_for_ranks(pages, table, n, 1, layout)[0], cpu_kv.gather_for_ranks(pages, table, n, 1, layout)[0]
+    assert torch.equal(a, b)
+    pa, pb = _poison(pages[0].shape, dtype), _poison(pages[0].shape, dtype)
+    ref.scatter_from_rank(a, pa, table, n)
+    cpu_kv.scatter_from_rank(a, pb, table, n)
+    assert torch.equal(pa.nan_to_num(0.5), pb.nan_to_num(0.5))
+    ids = table[:16]
+    assert torch.equal(ref.pack_chunk(pages[0], ids), cpu_kv.pack_chunk(pages[0], ids))
+
+
+@needs_cpu
+def test_cpu_backend_takes_the_reference_path_for_strided_pages():
+    layout = KVLayout(2, 1, 4)
+    big = _random_pages(KVLayout(4, 1, 4), 6)[0]
+    pages = big[:, :2]  # a non-contiguous view: the C routine cannot address it
+    assert not pages.is_contiguous()
+    assert torch.equal(cpu_kv.pack_chunk(pages, [4, 1]), pages[[4, 1]])
+    assert torch.equal(cpu_kv.gather_for_ranks([pages], [2, 0], 20, 1, layout)[0],
+                       ref.gather_for_ranks([pages.contiguous()], [2, 0], 20, 1, layout)[0])
+
+
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_window_validation(kv):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2)
+    pages = allocate_pages(layout, 4)
+    with pytest.raises(ValueError, match="first token"):
+        kv.gather_for_ranks(pages, [0, 1], 20, 1, layout, first=21)
+    with pytest.raises(ValueError, match="first token"):
+        kv.scatter_from_rank(torch.empty(1, 2, 2, 1, 2), pages[0], [0], 1, -1)
+    with pytest.raises(ValueError, match="block table"):  # tokens [10, 20) need two table entries
+        kv.scatter_from_rank(torch.empty(10, 2, 2, 1, 2), pages[0], [0], 10, 10)
+
+
+def test_prefault_changes_no_byte():
+    """cpu_kv.prefault faults blocks in (decode, while a handoff is on the wire) and leaves every byte
+    as it was: written blocks keep their data, fresh ones stay zero."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64)
+    (pages,) = allocate_pages(layout, 64)
+    pages[3].normal_()
+    before = pages.clone()
+    ok = cpu_kv.prefault(pages, [3, 4, 5, 9, 40, 41])
+    release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+    if platform.system() == "Linux" and release >= (5, 14):  # MADV_POPULATE_WRITE exists
+        assert ok
+    assert torch.equal(pages, before)
+    assert cpu_kv.prefault(pages[:, :1], [1]) is False  # not contiguous: nothing done
+    assert cpu_kv.prefault(pages, []) is False
+
+
+def test_dispatch_default_on_cpu(monkeypatch):
+    """The C backend when it builds, else the reference."""
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     k = get_kv_kernels("cpu")
-    assert k.name == "reference" and k.pack_chunk is pack_chunk
+    assert k.name == ("cpu" if CPU_OK else "reference")
+    assert k.pack_chunk is (cpu_kv.pack_chunk if CPU_OK else ref.pack_chunk)
     assert get_kv_kernels(torch.device("cpu")) is k
-    assert kernels.available_backends("cpu") == ["reference"]
+    assert kernels.available_backends("cpu") == (["cpu", "reference"] if CPU_OK else ["reference"])
 
 
 def test_dispatch_env_override(monkeypatch):
@@ -175,7 +274,7 @@ def test_dispatch_unavailable_backend_is_never_imported(monkeypatch):
         with pytest.raises(ValueError, match="not available"):
             get_kv_kernels("cpu")
         monkeypatch.delenv(kernels.ENV_VAR)
-        assert get_kv_kernels("cpu").name == "reference"
+        assert get_kv_kernels("cpu").name == ("cpu" if CPU_OK else "reference")
         assert "kernels._no_such_backend" not in sys.modules
         assert "triton" not in sys.modules and "aiter" not in sys.modules
     finally:

@@ -36,7 +36,7 @@ def test_flipped_payload_bit_is_rejected():
 
 def test_wrong_size_and_garbage_are_rejected():
     assert "size" in verify(make()[:-1], SPEC)
-    assert "not a moorage KV object" in verify(torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8), SPEC)
+    assert verify(torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8), SPEC) == "not a moorage KV object"
 
 
 def test_key_names_namespace_stage_and_digest():
@@ -46,3 +46,24 @@ def test_key_names_namespace_stage_and_digest():
 def test_oversized_namespace_is_refused():
     with pytest.raises(ValueError):
         write_header(torch.zeros(HEADER_BYTES, dtype=torch.uint8), ObjectSpec("x" * 65, bytes(16), 0, 1, 256, 0), 0)
+
+
+def test_checksum_is_crc32c():
+    """Format 2 checksums with CRC-32C (check value of "123456789": 0xE3069283)."""
+    assert checksum(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)) == 0xE3069283
+
+
+def test_older_format_version_is_refused():
+    """A format-1 object (zlib CRC-32) is refused by its version, never checked with the wrong CRC."""
+    import struct
+    import zlib
+
+    from shared.kv_object import FORMAT_VERSION, MAGIC, _HEADER
+
+    assert FORMAT_VERSION == 2
+    obj = make()
+    raw = _HEADER.pack(MAGIC, 1, SPEC.stage, SPEC.stages, SPEC.tokens, SPEC.payload_bytes,
+                       zlib.crc32(obj[HEADER_BYTES:].numpy()), SPEC.digest, SPEC.namespace.encode())
+    obj[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    assert verify(obj, SPEC) == "format version 1, not 2"
+    assert struct.unpack_from("<H", obj[:8].numpy().tobytes(), 6) == (1,)

@@ -162,19 +162,19 @@ def test_prefill_matches_dense_attention(backend, monkeypatch):
 def test_build_is_cached_by_source_hash(tmp_path, monkeypatch):
     """First use compiles into the cache dir; a second process state finds the .so there. Without a
     compiler the backend is unavailable and auto-selection falls back to the reference."""
-    saved = dict(cpu_attention._state)
+    kernel = cpu_attention.KERNEL
     try:
         monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path))
         monkeypatch.delenv(kernels.ATTN_ENV_VAR, raising=False)
-        cpu_attention._state.clear()
+        kernel.reset()
         if CPU_OK:
             assert cpu_attention.available()
             [so] = tmp_path.glob("paged_attention-*.so")
             mtime = so.stat().st_mtime_ns
-            cpu_attention._state.clear()
+            kernel.reset()
             assert cpu_attention.available() and so.stat().st_mtime_ns == mtime  # loaded, not rebuilt
             assert not list(tmp_path.glob("tmp*"))  # temp build dirs cleaned up
-        cpu_attention._state.clear()
+        kernel.reset()
         monkeypatch.setenv("CC", "no-such-compiler")
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
         monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path / "other"))
@@ -185,8 +185,7 @@ def test_build_is_cached_by_source_hash(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="not available"):
             get_attention_kernels("cpu")
     finally:
-        cpu_attention._state.clear()
-        cpu_attention._state.update(saved)
+        kernel.reset()  # the next use loads the default cache's build again
 
 
 def test_attention_dispatch(monkeypatch):

@@ -231,6 +231,11 @@ def test_put_with_group_id_and_argument_checks(bufs):
     assert torch.equal(bufs.src[:3 * MiB], bufs.dst[:3 * MiB])
     with pytest.raises(ValueError, match="duplicate"):
         bufs.put([keys[0], keys[0]], MiB)
+    per_key = [f"{_key('two-chunks')}/c{c}/s{s}" for c in range(2) for s in range(2)]
+    assert bufs.put(per_key, MiB, group_id=["c0", "c0", "c1", "c1"]) == [0] * 4  # a group per key, one call
+    assert bufs.get(per_key, MiB) == [MiB] * 4 and torch.equal(bufs.src[:4 * MiB], bufs.dst[:4 * MiB])
+    with pytest.raises(ValueError, match="one group per key"):
+        bufs.put([_key("x"), _key("y")], MiB, group_id=["only-one"])
     with pytest.raises(ValueError, match="same length"):
         bufs.client.get_into(keys, [bufs.dst.data_ptr()], [MiB])
     assert bufs.client.exists([]) == [] and bufs.client.get_into([], [], []) == []
@@ -370,6 +375,17 @@ def test_objects_of_one_group_are_evicted_together(nats_url, tmp_path):
         assert left < held
         evictions = load_report(p, lambda r: r.role == "master" and r.detail.get("evictions", 0) > 0)
         assert evictions.detail["used_bytes"] <= 32 * MiB
+        # a batched save: both stages of 4 chunks per call, a group per chunk (group_id as a list)
+        time.sleep(0.2)
+        for c0 in range(0, 20, 4):
+            keys = [f"batched/c{c}/s{s}" for c in range(c0, c0 + 4) for s in (0, 1)]
+            base = b.src.data_ptr()
+            assert b.client.put_from(keys, [base + (i % 2) * MiB for i in range(8)], [MiB] * 8,
+                                     [f"batched{c}" for c in range(c0, c0 + 4) for _ in (0, 1)]) == [0] * 8
+        e = b.client.exists([f"batched/c{c}/s{s}" for c in range(20) for s in (0, 1)])
+        batched = [(e[2 * c], e[2 * c + 1]) for c in range(20)]
+        assert (False, False) in batched and (True, True) in batched, batched
+        assert all(a == b_ for a, b_ in batched), batched  # never half a chunk
     finally:
         if b is not None:
             b.close()

@@ -32,6 +32,7 @@ class MemoryPool:
 
     def __init__(self):
         self.objects: dict[str, bytes] = {}
+        self.puts: list[list[str]] = []  # keys of each put_from call
 
     def register(self, tensor) -> None:
         pass
@@ -51,6 +52,7 @@ class MemoryPool:
         return out
 
     def put_from(self, keys, addrs, sizes, group_id=None):
+        self.puts.append(list(keys))
         for k, a, n in zip(keys, addrs, sizes):
             self.objects.setdefault(k, ctypes.string_at(a, n))
         return [0] * len(keys)
@@ -156,3 +158,202 @@ async def test_device_prefix_is_pinned_when_nothing_is_restored(restoring, tiny)
     while not seq.is_finished:
         await asyncio.sleep(0.01)
     assert seq.num_device_cached == 3 * CHUNK and seq.output_ids == scratch(tiny, prompt)
+
+
+# ---- saves: deferred to idle time, one batched put, blocks released exactly once ----------------------
+class FailingPool(MemoryPool):
+    """put_from fails (-800) for every key that contains one of `bad`."""
+
+    def __init__(self, bad: set[str]):
+        super().__init__()
+        self.bad = bad
+
+    def put_from(self, keys, addrs, sizes, group_id=None):
+        self.puts.append(list(keys))
+        self.groups = list(group_id)
+        out = []
+        for k, a, n in zip(keys, addrs, sizes):
+            if any(b in k for b in self.bad):
+                out.append(-800)
+            else:
+                self.objects.setdefault(k, ctypes.string_at(a, n))
+                out.append(0)
+        return out
+
+
+@pytest.fixture
+async def saving(tiny):
+    """(engine, loop, pool-connector factory, prompt, held blocks): a prefill (2 stages) that computed
+    `prompt` and pinned its 5 full chunks for a save."""
+    engine = Engine(tiny, EngineConfig(num_blocks=128, chunk_tokens=CHUNK, stages=2))
+    loop = EngineLoop(engine, lambda outs: asyncio.sleep(0))
+    loop.start()
+    prompt = prompt_ids(7, PROMPT)
+    seq = await loop.call(lambda: engine.add_request("w", prompt, SamplingParams(max_tokens=1), retain_kv=True))
+    while not seq.is_finished:
+        await asyncio.sleep(0.01)
+    made = []
+
+    def connector(pool, **kw):
+        made.append(PoolConnector(pool, engine, loop, PoolSettings(enabled=True, **kw)))
+        return made[-1]
+
+    def hold(conn):
+        return conn.hold_for_save(prompt, seq.block_table)
+
+    yield engine, loop, connector, prompt, hold
+    await loop.call(lambda: engine.block_manager.release(reversed(seq.block_table)))
+    for c in made:
+        assert c.saver.held_blocks == 0
+    await loop.stop()
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == 128
+
+
+async def _busy(engine, loop):
+    """A request that keeps the engine stepping (decoding) until aborted."""
+    return await loop.call(lambda: engine.add_request("busy", prompt_ids(11, 20),
+                                                      SamplingParams(max_tokens=1500, ignore_eos=True)))
+
+
+async def test_save_waits_for_an_idle_engine_then_puts_once(saving):
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool, save_max_delay_s=60)
+    await _busy(engine, loop)
+    blocks = await loop.call(lambda: hold(conn))
+    task = asyncio.create_task(conn.save("w", prompt, blocks, None))
+    await asyncio.sleep(0.5)
+    assert not task.done() and pool.puts == [] and conn.saver.held_blocks == 5 * BPC
+    assert engine.has_unfinished()
+    await loop.call(lambda: engine.abort("busy"))  # idle now
+    await asyncio.wait_for(task, 10)
+    assert len(pool.puts) == 1 and len(pool.puts[0]) == 5 * 2, "one put for all chunks and stages"
+    assert conn.counters["saved_chunks"] == 5 and conn.saver.held_blocks == 0
+    assert conn.counters["save_went_idle"] == 1
+
+
+async def test_save_goes_beside_compute_when_it_pins_too_much(saving):
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool, save_max_delay_s=60, save_max_held_fraction=0.1)  # 20 held > 12.8 of 128
+    await _busy(engine, loop)
+    blocks = await loop.call(lambda: hold(conn))
+    await asyncio.wait_for(conn.save("w", prompt, blocks, None), 10)
+    assert engine.has_unfinished() and conn.counters["saved_chunks"] == 5
+    assert conn.counters["save_went_held_too_many"] == 1
+    await loop.call(lambda: engine.abort("busy"))
+
+
+async def test_save_goes_after_its_max_delay(saving):
+    engine, loop, connector, prompt, hold = saving
+    conn = connector(MemoryPool(), save_max_delay_s=0.3)
+    await _busy(engine, loop)
+    blocks = await loop.call(lambda: hold(conn))
+    await asyncio.wait_for(conn.save("w", prompt, blocks, None), 10)
+    assert engine.has_unfinished() and conn.counters["saved_chunks"] == 5
+    assert conn.counters["save_went_max_delay"] == 1
+    await loop.call(lambda: engine.abort("busy"))
+
+
+async def test_cancelled_waiting_save_releases_its_blocks_once(saving):
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool, save_max_delay_s=60)
+    await _busy(engine, loop)
+    free = engine.block_manager.num_free_blocks
+    blocks = await loop.call(lambda: hold(conn))
+    task = asyncio.create_task(conn.save("w", prompt, blocks, None))
+    await asyncio.sleep(0.2)
+    assert not task.done(), conn.counters
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.puts == [] and conn.saver.held_blocks == 0
+    await loop.call(lambda: engine.abort("busy"))
+    assert engine.block_manager.num_free_blocks >= free  # the save's own references are gone
+
+
+async def test_a_chunk_whose_put_failed_is_removed_whole_and_not_counted(saving):
+    engine, loop, connector, prompt, hold = saving
+    digests = __import__("shared.hashing", fromlist=["chunk_hashes"]).chunk_hashes(
+        prompt, engine.kv_namespace("").seed, CHUNK)
+    pool = FailingPool({f"s1of2/{digests[2].hex()}"})  # chunk 2's stage 1 fails, its stage 0 lands
+    conn = connector(pool, save_batch_chunks=2)
+    blocks = await loop.call(lambda: hold(conn))
+    await conn.save("w", prompt, blocks, None)
+    assert [len(p) for p in pool.puts] == [4, 4, 2]  # batches of 2 chunks x 2 stages
+    assert conn.counters["saved_chunks"] == 4 and conn.counters["save_failures"] == 1
+    assert not any(digests[2].hex() in k for k in pool.objects), "half a chunk stayed in the pool"
+    assert len(pool.objects) == 4 * 2
+    assert pool.groups == [digests[4].hex()] * 2  # each chunk's stages form one eviction group
+
+
+# ---- restores: pipelined batches --------------------------------------------------------------------
+async def test_pipelined_restore_in_small_batches_matches_scratch(restoring, tiny):
+    engine, loop, connector = restoring
+    conn = connector(restore_batch_chunks=2)  # 5 chunks: batches of 2, 2, 1
+    prompt = prompt_ids(7, PROMPT) + prompt_ids(8, 20)
+    restored = await conn.restore("r", prompt, None)
+    assert restored.token_range == (0, 5 * CHUNK) and conn.counters["restored_chunks"] == 5
+    assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
+
+
+async def test_corrupt_object_in_a_later_batch_ends_the_restore_before_it(restoring, tiny):
+    engine, loop, connector = restoring
+    conn = connector(restore_batch_chunks=2)
+    pool = conn.client
+    prompt = prompt_ids(7, PROMPT) + prompt_ids(8, 20)
+    [key] = conn.keys(__import__("shared.hashing", fromlist=["chunk_hashes"]).chunk_hashes(
+        prompt, engine.kv_namespace("").seed, CHUNK)[3], engine.kv_namespace(""))
+    raw = bytearray(pool.objects[key])
+    raw[-5] ^= 0x10
+    pool.objects[key] = bytes(raw)
+    restored = await conn.restore("r", prompt, None)
+    assert restored.token_range == (0, 3 * CHUNK) and conn.counters["verify_failures"] == 1
+    assert conn.counters["restore_partial"] == 1
+    assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
+    assert engine.block_manager.num_free_blocks == 24
+
+
+async def test_a_read_that_raises_mid_restore_gives_every_block_back(restoring):
+    """The second batch's read raises: the restore fails (prefill then computes) and holds nothing."""
+    engine, loop, connector = restoring
+    conn = connector(restore_batch_chunks=2)
+    pool, calls = conn.client, []
+    plain = pool.get_into
+
+    def get_into(keys, addrs, sizes):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            raise RuntimeError("transfer engine gone")
+        return plain(keys, addrs, sizes)
+
+    pool.get_into = get_into
+    with pytest.raises(RuntimeError, match="transfer engine gone"):
+        await conn.restore("r", prompt_ids(7, PROMPT) + prompt_ids(8, 20), None)
+    assert len(calls) >= 2 and engine.block_manager.num_free_blocks == 24
+
+
+async def test_save_max_mbps_paces_the_puts(saving):
+    """save_max_mbps: a put starts only once the previous puts' bytes have had their time at that rate
+    (a lower bound on the gap, so load cannot make it fail)."""
+    engine, loop, connector, prompt, hold = saving
+    import time as _time
+
+    class Forgetful(MemoryPool):  # never has anything: every save puts
+        def exists(self, keys):
+            return [False] * len(keys)
+
+        def put_from(self, keys, addrs, sizes, group_id=None):
+            self.times = getattr(self, "times", []) + [_time.monotonic()]
+            return super().put_from(keys, addrs, sizes, group_id)
+
+    pool = Forgetful()
+    probe = connector(MemoryPool())
+    nbytes = 5 * probe.chunk_bytes
+    conn = connector(pool, save_max_mbps=nbytes / 1e6 / 0.4)  # one save's bytes take 0.4 s at this rate
+    for _ in range(2):
+        blocks = await loop.call(lambda: hold(conn))
+        await conn.save("w", prompt, blocks, None)
+    assert len(pool.times) == 2 and pool.times[1] - pool.times[0] >= 0.39

@@ -4,6 +4,13 @@ A request's landing owns the KV blocks allocated for its prompt (reserved by the
 until `HandoffDone` passes them to the engine, or until it is cancelled or idles past the timeout;
 then they are released. Slots are credits: each is returned as soon as its bytes are scattered.
 
+Pieces are byte ranges of the rank buffer, one landing slot each (prefill cuts it in slot-sized
+windows, so a piece may begin or end inside a token). Whole tokens go straight from the slot into the
+pages; the bytes of a token cut by a piece edge wait in a small per-token buffer (`Landing.seams`)
+until the neighbouring piece brings the rest, and that token is scattered then. HandoffDone may
+arrive while the last pieces are still being scattered (prefill sends both at once):
+`take_when_landed` waits until every byte has landed, or the landing was dropped.
+
 Cancel races every other message of the request (NATS runs each subscription's handler as its own
 task), so two invariants hold across the awaits below:
 - a cancelled id is remembered (`cancelled`), and a grant or adoption that was already under way when
@@ -24,13 +31,16 @@ of the handoff), a child of prefill's `kv.handoff` through the message headers.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
 from opentelemetry.trace import Status, StatusCode
 
 from kernels import get_kv_kernels
+from kernels.cpu_kv import prefault
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
@@ -53,11 +63,16 @@ class Landing:
     blocks: list[int]
     num_tokens: int
     total_bytes: int
-    received: set[int] = field(default_factory=set)  # byte offsets of windows that landed
-    received_bytes: int = 0
+    received: dict[int, int] = field(default_factory=dict)  # offset -> nbytes of pieces accepted (landing or landed)
+    received_bytes: int = 0  # bytes verified and in the pages (or in `seams`)
+    seams: dict[int, list] = field(default_factory=dict)  # token cut by a piece edge -> [bytes so far, uint8 buffer]
     last_activity: float = field(default_factory=time.monotonic)
     scattering: int = 0    # scatters writing into `blocks` right now
     dropped: bool = False  # cancelled or expired: the last scatter to finish frees the blocks
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
+
+    def overlaps(self, offset: int, nbytes: int) -> bool:
+        return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())
 
 
 _CANCELLED_MEMORY = 4096  # cancelled ids remembered, to refuse their late grants and adoptions
@@ -74,6 +89,7 @@ class LandingZone:
         self.kernels = get_kv_kernels(engine.pages[0].device)
         self.landings: dict[str, Landing] = {}
         self.cancelled: OrderedDict[str, None] = OrderedDict()
+        self._background: set[asyncio.Task] = set()  # prefaults in flight (kept referenced until done)
 
     def is_cancelled(self, rid: str) -> bool:
         return rid in self.cancelled
@@ -107,10 +123,26 @@ class LandingZone:
                     return SlotGrant(rid, error="fatal: request cancelled")
             else:
                 self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
+                self._spawn(self._prefault(blocks))  # while its bytes are on the wire (a no-op once warm)
             landing = self.landings[rid]
         landing.last_activity = time.monotonic()
         slots = self.slots.acquire(max(0, msg.max_slots), owner=rid)
         return SlotGrant(rid, self.endpoint, [[s.slot_id, s.addr, s.nbytes] for s in slots])
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _prefault(self, blocks: list[int]) -> None:
+        """Fault a landing's blocks in while its bytes are on the wire (kernels.cpu_kv.prefault: changes no
+        byte, so it may race anything; ~free once they are resident). KV pages come from calloc, so a block
+        never written since start-up costs ~1 page fault per 4 KiB on first write: a scatter of 8 MB into
+        fresh blocks took 30-150 ms, into resident ones 3 ms (2-core box). Only the landing's blocks: the
+        pool is never committed up front (shared/kv_layout.py)."""
+        pages = self.engine.pages[0]
+        if pages.device.type == "cpu":
+            await self.loop.run_in_worker(lambda: prefault(pages, blocks))
 
     async def filled(self, msg: SlotsFilled, raw=None) -> Ack:
         with tracer.start_as_current_span("decode.scatter", context=_parent(raw), attributes={
@@ -131,12 +163,11 @@ class LandingZone:
         t, timing = time.perf_counter(), {"verify_ms": 0.0}
         try:
             for piece in parse(msg.pieces, msg.crcs):
-                start, n = self._check_piece(rid, landing, piece)
+                self._check_piece(rid, landing, piece)
+                landing.received[piece.offset] = piece.nbytes
                 landing.scattering += 1
                 try:
-                    reason = await self.loop.run_in_worker(
-                        lambda: self._verify_and_scatter(piece, landing.blocks[start // self.layout.block_size:],
-                                                         n, timing))
+                    reason = await self.loop.run_in_worker(lambda: self._verify_and_scatter(piece, landing, timing))
                 finally:
                     landing.scattering -= 1
                 if landing.dropped:
@@ -145,9 +176,10 @@ class LandingZone:
                 if reason is not None:
                     return await self._refuse(rid, reason)
                 self.checks.verified += 1
-                if piece.offset not in landing.received:
-                    landing.received.add(piece.offset)
-                    landing.received_bytes += piece.nbytes
+                self._seam(landing, piece)
+                landing.received_bytes += piece.nbytes
+                if landing.received_bytes == landing.total_bytes:
+                    landing.settled.set()
         except Unverified as e:
             self.checks.unverified += 1
             log.warning("handoff refused: no checksums", request_id=rid)
@@ -161,24 +193,51 @@ class LandingZone:
         landing.last_activity = time.monotonic()
         return Ack(rid, True, stats={"scatter_ms": (time.perf_counter() - t) * 1e3, **timing})
 
-    def _check_piece(self, rid: str, landing: Landing, piece: Piece) -> tuple[int, int]:
-        """(first token, tokens) of a piece that is one of rid's slots, block-aligned and in bounds."""
-        B = self.layout.block_size
-        if piece.slot_id not in self.slots.held_by(rid) or piece.offset % (B * self.token_bytes) \
-                or piece.nbytes % self.token_bytes or piece.offset + piece.nbytes > landing.total_bytes:
+    def _check_piece(self, rid: str, landing: Landing, piece: Piece) -> None:
+        """A piece must be one of rid's slots, within the request's bytes, and overlap no other piece."""
+        if piece.slot_id not in self.slots.held_by(rid) or not 0 < piece.nbytes <= self.slots.slot_bytes \
+                or piece.offset + piece.nbytes > landing.total_bytes or landing.overlaps(piece.offset, piece.nbytes):
             raise ValueError(f"bad piece {piece.slot_id, piece.offset, piece.nbytes}")
-        return piece.offset // self.token_bytes, piece.nbytes // self.token_bytes
 
-    def _verify_and_scatter(self, piece: Piece, blocks: list[int], n: int, timing: dict) -> str | None:
-        """Worker thread: check the landed slot against its checksum, and only then scatter it."""
+    def _whole_tokens(self, piece: Piece) -> tuple[int, int]:
+        """[first, end) of the tokens whose bytes lie entirely inside the piece."""
+        tb = self.token_bytes
+        return -(-piece.offset // tb), (piece.offset + piece.nbytes) // tb
+
+    def _verify_and_scatter(self, piece: Piece, landing: Landing, timing: dict) -> str | None:
+        """Worker thread: check the landed slot against its checksum, and only then scatter its whole tokens."""
         landed = self.slots.view(piece.slot_id, piece.nbytes)
         self.faults.apply(landed)
         t = time.perf_counter()
         reason = verify(landed, piece)
         timing["verify_ms"] += (time.perf_counter() - t) * 1e3
-        if reason is None:
-            self.kernels.scatter_from_rank(landed.view(self.layout.dtype), self.engine.pages[0], blocks, n)
+        first, end = self._whole_tokens(piece)
+        if reason is None and end > first:
+            lo = first * self.token_bytes - piece.offset
+            rows = landed[lo:lo + (end - first) * self.token_bytes]
+            if rows.data_ptr() % self.layout.elem_bytes:  # a slot size that is no multiple of the element size
+                rows = rows.clone()
+            self.kernels.scatter_from_rank(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks,
+                                           end - first, first)
         return reason
+
+    def _seam(self, landing: Landing, piece: Piece) -> None:
+        """Event loop, after the piece verified: its bytes of tokens cut by its edges go to the seam
+        buffers; a token whose bytes are then all there is scattered (one token, microseconds)."""
+        tb, (first, end) = self.token_bytes, self._whole_tokens(piece)
+        landed = self.slots.view(piece.slot_id, piece.nbytes)
+        cut = {piece.offset // tb} if piece.offset % tb else set()
+        if (piece.offset + piece.nbytes) % tb:
+            cut.add((piece.offset + piece.nbytes) // tb)
+        for tok in sorted(cut):  # never one of the whole tokens [first, end)
+            lo, hi = max(piece.offset, tok * tb), min(piece.offset + piece.nbytes, (tok + 1) * tb)
+            seam = landing.seams.setdefault(tok, [0, torch.empty(tb, dtype=torch.uint8)])
+            seam[1][lo - tok * tb:hi - tok * tb] = landed[lo - piece.offset:hi - piece.offset]
+            seam[0] += hi - lo
+            if seam[0] == tb:
+                self.kernels.scatter_from_rank(seam[1].view(self.layout.dtype), self.engine.pages[0], landing.blocks,
+                                               1, tok)
+                del landing.seams[tok]
 
     async def _refuse(self, rid: str, reason: str) -> Ack:
         """A landed piece failed its checksum: nothing of this request is adopted, its KV and slots go back."""
@@ -186,6 +245,19 @@ class LandingZone:
         log.warning("handoff checksum mismatch: request failed, its KV freed", request_id=rid, reason=reason)
         await self.drop(rid)
         return Ack(rid, False, MISMATCH)
+
+    async def take_when_landed(self, rid: str, timeout_s: float = 30.0) -> Landing:
+        """`take`, once every byte of rid has landed (HandoffDone races the last SlotsFilled); raises like
+        `take` when the landing is unknown, was dropped meanwhile, or is still incomplete after timeout_s."""
+        landing = self.landings.get(rid)
+        if landing is None:
+            raise KeyError(rid)
+        if not landing.settled.is_set():  # (no await at all when it has: nothing can come in between)
+            try:
+                await asyncio.wait_for(landing.settled.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass  # take() says what is missing
+        return self.take(rid)
 
     def take(self, rid: str) -> Landing:
         """Hand a complete landing's blocks to the caller (the engine adopts them)."""
@@ -207,6 +279,7 @@ class LandingZone:
         landing = self.landings.pop(rid, None)
         if landing is not None:
             landing.dropped = True
+            landing.settled.set()
             await self._free_if_idle(landing)
         return landing is not None
 

@@ -72,7 +72,7 @@ class DecodeService:
     async def on_landed(self, msg: HandoffDone, raw) -> Ack:
         rid = msg.request_id
         try:
-            landing = self.zone.take(rid)
+            landing = await self.zone.take_when_landed(rid)  # prefill sends this with the last SlotsFilled
         except (KeyError, ValueError) as e:
             await self.zone.drop(rid)
             return Ack(rid, False, f"cannot adopt: {e}")

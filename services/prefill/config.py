@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.config import ConfigError
 from shared.engine.engine import EngineConfig
 from shared.pool import PoolConfig
 from shared.service import ServiceConfig
@@ -17,6 +18,23 @@ class PoolSettings(PoolConfig):
     restore_batch_chunks: int = 4          # chunks per batched read (sizes the registered restore buffer)
     restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
     save: bool = True                      # save each new full prompt chunk after prefill (async)
+    save_batch_chunks: int = 8             # chunks per batched put (one put per request up to this; sizes the registered save buffer)
+    save_when_idle: bool = True            # defer saves until the engine is idle (or blocks are short, or save_max_delay_s passed): saving never slows compute
+    save_max_delay_s: float = 10.0         # a deferred save waits at most this long for idle, then runs beside compute
+    save_max_held_fraction: float = 0.25   # saves waiting for idle may pin at most this fraction of the device blocks; beyond it they run at once
+    save_max_mbps: float = 0.0             # pace saves to at most this many MB/s to the pool (0: unlimited)
+
+    def __post_init__(self) -> None:
+        if self.restore_batch_chunks < 1:
+            raise ConfigError(f"pool.restore_batch_chunks must be >= 1, got {self.restore_batch_chunks}")
+        if self.save_batch_chunks < 1:
+            raise ConfigError(f"pool.save_batch_chunks must be >= 1, got {self.save_batch_chunks}")
+        if self.save_max_delay_s < 0:
+            raise ConfigError(f"pool.save_max_delay_s must be >= 0, got {self.save_max_delay_s}")
+        if not 0 < self.save_max_held_fraction <= 1:
+            raise ConfigError(f"pool.save_max_held_fraction must be in (0, 1], got {self.save_max_held_fraction}")
+        if self.save_max_mbps < 0:
+            raise ConfigError(f"pool.save_max_mbps must be >= 0 (0: unlimited), got {self.save_max_mbps}")
 
 
 @dataclass

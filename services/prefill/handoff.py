@@ -1,20 +1,31 @@
-"""Prefill's side of the KV handoff: gather -> Transfer Engine write -> tell decode, in slot-sized windows.
+"""Prefill's side of the KV handoff: gather -> Transfer Engine write -> tell decode, as a pipeline.
 
-A request's KV is sent as windows of whole blocks, each at most one landing slot (default 8 MiB) of the
-decode rank's token-major buffer ([tokens, layers, 2, kv_heads, head_dim], see shared/kv_layout.py). Per
-round: ask decode for credits (slots), gather one window per slot into our registered staging
-buffers, write them all in one batched call, then tell decode which bytes landed where; decode
-scatters and returns the credits. The blocks stay owned by the handoff until it ends, however it ends.
+A request's KV is decode's rank buffer ([tokens, layers, 2, kv_heads, head_dim], token-major, see
+shared/kv_layout.py) cut into windows of exactly one landing slot (`plan_writes`: the last one shorter),
+so a handoff is ceil(bytes / slot_bytes) writes. A window may start or end inside a token (or a block):
+it is gathered from the token that holds its first byte to the one that holds its last, into a staging
+buffer one slot plus two tokens long, and the write starts at the window's first byte; decode joins the
+tokens cut by a window edge (services/decode/landing.py).
+
+Pipeline (one task gathers, the caller's task writes, decode scatters):
+- the first SlotRequest goes out at once and the first windows are gathered while it is answered;
+- the gatherer runs ahead into free staging buffers while a write is in progress;
+- each write sends every gathered window it holds credits for (one batched call), then a SlotsFilled
+  whose ack (decode's scatter) is awaited later, at most two rounds behind;
+- credits are asked for again while a write runs whenever more windows remain than are granted;
+- HandoffDone goes out together with the last SlotsFilled: decode adopts the request only once every
+  piece has landed, been verified and scattered (LandingZone.take_when_landed).
+The blocks stay owned by the handoff until it ends, however it ends.
 
 Checksums: the thread that gathers a window also computes the CRC-32C of exactly the bytes it will
 write (shared/handoff_check.py); SlotsFilled carries one per piece and decode verifies each landed
 slot before scattering it. A mismatch comes back as a refused SlotsFilled: HandoffFailed, so the
 request fails with a 503 (retried once by the router while the client has received nothing).
 
-Tracing: the caller's `kv.handoff` span is current; each round adds a `kv.gather` and a `kv.write` span
-(two spans per round of up to max_slots_per_round x 8 MiB, never one per block or token), and decode's
-`decode.slot_grant` / `decode.scatter` spans join it through the NATS headers. The final HandoffDone goes
-out under `done_context` (the request's own span), so decode.generate is a sibling of kv.handoff.
+Tracing: the caller's `kv.handoff` span is current; each write adds a `kv.write` span and each window a
+`kv.gather` span (never one per block or token), and decode's `decode.slot_grant` / `decode.scatter`
+spans join it through the NATS headers. HandoffDone goes out under `done_context` (the request's own
+span), so decode.generate is a sibling of kv.handoff.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from shared.handoff_check import Piece, checksum, to_wire
 from shared.kv_layout import KVLayout
 from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
 from shared.tracing import get_tracer
-from shared.transfer import KVTransport, TransferConfig
+from shared.transfer import KVTransport, TransferConfig, plan_writes
 
 tracer = get_tracer("moorage.prefill.handoff")
 
@@ -41,12 +52,24 @@ class HandoffFailed(RuntimeError):
     pass
 
 
+async def _finish_thread(fn, *args):
+    """asyncio.to_thread, but a cancel waits for the thread to end before it propagates: the thread
+    reads or writes a staging buffer, which must not go back to the pool (and to another handoff,
+    whose checksum would then cover bytes this thread still changes) while it runs."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.gather(work, return_exceptions=True)
+        raise
+
+
 @dataclass
 class HandoffStats:
     bytes: int = 0
     writes: int = 0
     rounds: int = 0
-    gather_ms: float = 0.0   # includes crc_ms: the checksum runs in the gathering thread
+    gather_ms: float = 0.0   # time in the gathering thread (includes crc_ms); overlaps write_ms
     crc_ms: float = 0.0
     write_ms: float = 0.0
     scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
@@ -55,25 +78,74 @@ class HandoffStats:
 
 
 class StagingPool:
-    """Registered staging buffers of slot size, shared by all handoffs of this instance."""
+    """Registered staging buffers (one slot plus two tokens each), shared by all handoffs of this instance.
+
+    A handoff may gather a window before decode granted it a slot (speculatively), but only while at
+    least half the pool, and never the last two buffers, would stay free: a handoff that holds slots then
+    always finds a buffer, or one held by another slot holder that writes and returns it. Without that
+    rule handoffs holding buffers but no slots and handoffs holding slots but no buffers could wait on
+    each other until their timeout.
+    """
 
     def __init__(self, transport: KVTransport, count: int, nbytes: int):
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        # Written once now, so no gather or write ever page-faults its way into a fresh buffer.
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8).fill_(0) for _ in range(count)]
         for b in self.buffers:
             transport.register(b)
         self._free = list(range(count))
-        self._cond = asyncio.Condition()
+        self._changed: asyncio.Future | None = None
 
-    async def take(self, n: int) -> list[int]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: len(self._free) >= min(n, len(self.buffers)))
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
+    def _speculation_ok(self) -> bool:
+        return len(self._free) >= 2 and 2 * len(self._free) > len(self.buffers)
+
+    async def take(self, credited) -> int:
+        """A free buffer, for a window that has a slot (`credited()`) or may be gathered ahead."""
+        while not (self._free and (credited() or self._speculation_ok())):
+            if self._changed is None or self._changed.done():
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._changed)
+        return self._free.pop()
+
+    def poke(self) -> None:
+        """Wake the waiters: buffers came back, or a handoff got slots."""
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
 
     async def give_back(self, ids: list[int]) -> None:
-        async with self._cond:
-            self._free += ids
-            self._cond.notify_all()
+        self._free += ids
+        self.poke()
+
+
+@dataclass
+class _Gathered:
+    """One window in a staging buffer: `raw` is exactly the bytes to write."""
+    window: int
+    buffer: int
+    raw: torch.Tensor
+    offset: int
+    crc: int
+
+
+@dataclass
+class _Run:
+    """The state of one send(): windows, credits held, acks in flight, stats."""
+    decode: str
+    request_id: str
+    block_table: list[int]
+    num_tokens: int
+    windows: list[tuple[int, int]]
+    deadline: float
+    stats: HandoffStats
+    slots: list[list] = field(default_factory=list)  # granted, unused: [slot_id, addr, cap]
+    endpoint: str = ""
+    asking: asyncio.Task | None = None               # the SlotRequest in flight
+    acks: list[asyncio.Task] = field(default_factory=list)
+    written: int = 0                                 # windows written so far
+    credited: int = 0                                # slots granted so far: windows [0, credited) have one
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.windows)
 
 
 class HandoffSender:
@@ -83,111 +155,175 @@ class HandoffSender:
         self.transport, self.config = transport, config
         self.kernels = get_kv_kernels(pages[0].device)
         self.token_bytes = layout.bytes_per_token  # one token, every layer, K and V (one decode rank)
-        self.window_tokens = (config.slot_bytes // self.token_bytes) // layout.block_size * layout.block_size
-        if self.window_tokens == 0:
-            raise ValueError(f"transfer.slot_bytes {config.slot_bytes} cannot hold one block of KV "
-                             f"({layout.block_size * self.token_bytes} bytes)")
-        self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes)
+        self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes + 2 * self.token_bytes)
 
-    def _gather(self, table: list[int], num_tokens: int, raw: torch.Tensor) -> tuple[int, float]:
-        """Worker thread: KV of `num_tokens` tokens -> `raw` (a staging region of exactly their bytes);
-        returns (CRC-32C of those bytes, ms the checksum took)."""
-        self.kernels.gather_for_ranks(self.pages, table, num_tokens, 1, self.layout, [raw.view(self.layout.dtype)])
+    def _gather(self, table: list[int], num_tokens: int, offset: int, nbytes: int, buf: torch.Tensor
+                ) -> tuple[torch.Tensor, int, float]:
+        """Worker thread: the bytes [offset, offset + nbytes) of the rank buffer -> a view of `buf`;
+        returns (that view, its CRC-32C, ms the checksum took)."""
+        tb = self.token_bytes
+        t0, t1 = offset // tb, -(-(offset + nbytes) // tb)
+        region = buf[:(t1 - t0) * tb]
+        self.kernels.gather_for_ranks(self.pages, table, t1, 1, self.layout, [region.view(self.layout.dtype)], first=t0)
+        raw = region[offset - t0 * tb:offset - t0 * tb + nbytes]
         t = time.perf_counter()
         crc = checksum(raw)
-        return crc, (time.perf_counter() - t) * 1e3
+        return raw, crc, (time.perf_counter() - t) * 1e3
 
-    def _windows(self, num_tokens: int) -> list[tuple[int, int]]:
-        w = self.window_tokens
-        return [(t0, min(num_tokens, t0 + w)) for t0 in range(0, num_tokens, w)]
+    async def _gatherer(self, run: _Run, out: asyncio.Queue) -> None:
+        """Gathers every window in order into free staging buffers (bounded by the pool)."""
+        for i, (offset, nbytes) in enumerate(run.windows):
+            b = await self.staging.take(lambda: i < run.credited)
+            try:
+                t = time.perf_counter()
+                with tracer.start_as_current_span("kv.gather", attributes={"window": i, "bytes": nbytes}) as span:
+                    raw, crc, crc_ms = await _finish_thread(self._gather, run.block_table, run.num_tokens, offset,
+                                                            nbytes, self.staging.buffers[b])
+                    span.set_attribute("crc_ms", crc_ms)
+                run.stats.gather_ms += (time.perf_counter() - t) * 1e3
+                run.stats.crc_ms += crc_ms
+            except BaseException:
+                await self.staging.give_back([b])
+                raise
+            await out.put(_Gathered(i, b, raw, offset, crc))
 
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
                    done: HandoffDone, done_context: otel_context.Context | None = None) -> HandoffStats:
         """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over (the HandoffDone
         carries `done_context` as its trace parent when given, else the current span)."""
-        subjects, stats = self.bus.subjects, HandoffStats()
-        windows = self._windows(num_tokens)
-        total = num_tokens * self.token_bytes
-        deadline = time.monotonic() + self.config.timeout_s
-        i = 0
-        in_flight: list[asyncio.Task] = []  # SlotsFilled acks: decode scatters round k while we do k+1
+        run = _Run(decode, request_id, block_table, num_tokens,
+                   plan_writes(num_tokens * self.token_bytes, self.config.slot_bytes),
+                   time.monotonic() + self.config.timeout_s, HandoffStats())
+        gathered: asyncio.Queue[_Gathered] = asyncio.Queue()
+        gatherer = asyncio.create_task(self._gatherer(run, gathered)) if run.windows else None
+        held: list[_Gathered] = []  # gathered, not yet written: their staging buffers go back on failure
         try:
-            while i < len(windows):
-                i = await self._round(decode, request_id, block_table, windows, i, total, num_tokens, deadline,
-                                      stats, in_flight)
-            for task in in_flight:
-                self._check_filled(await task, stats)
+            if run.windows:
+                self._ask(run)
+            while run.written < len(run.windows):
+                await self._credits(run)  # first: the gatherer then never waits on credits we wait for
+                if not held:
+                    held.append(await self._next(gathered, gatherer))
+                while not gathered.empty():
+                    held.append(gathered.get_nowait())
+                batch, held = held[:len(run.slots)], held[len(run.slots):]
+                await self._write(run, batch, last=run.written + len(batch) == len(run.windows))
+                if run.written < len(run.windows) and len(run.slots) < len(run.windows) - run.written:
+                    self._ask(run)  # overlaps the next gathers and the write after them
+            done.handoff = {"bytes": run.stats.bytes, "writes": run.stats.writes, "rounds": run.stats.rounds}
+            adopted = self._send_done(decode, done, done_context)
+            try:
+                for task in run.acks:
+                    self._check_filled(await task, run.stats)
+            except BaseException:
+                adopted.cancel()
+                raise
+            ack = await adopted
+            if not ack.ok:
+                raise HandoffFailed(f"decode refused the request: {ack.error}")
+            return run.stats
         finally:
-            for task in in_flight:
-                task.cancel()
-        done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds}
+            for task in (gatherer, run.asking, *run.acks):
+                if task is not None:
+                    task.cancel()
+            if gatherer is not None:
+                await asyncio.gather(gatherer, return_exceptions=True)
+            while not gathered.empty():
+                held.append(gathered.get_nowait())
+            if held:
+                await self.staging.give_back([g.buffer for g in held])
+
+    @staticmethod
+    async def _next(gathered: asyncio.Queue, gatherer: asyncio.Task) -> _Gathered:
+        """The next gathered window, or the gatherer's error."""
+        get = asyncio.ensure_future(gathered.get())
+        await asyncio.wait([get, gatherer], return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            return get.result()
+        get.cancel()
+        gatherer.result()  # raises its error
+        raise HandoffFailed("gatherer ended early")
+
+    def _send_done(self, decode: str, done: HandoffDone, done_context) -> asyncio.Task:
         token = otel_context.attach(done_context) if done_context is not None else None
-        try:
-            ack = await self.bus.request(subjects.decode_landed(decode), done, Ack)
+        try:  # the task copies the current context: HandoffDone's trace parent is done_context
+            return asyncio.create_task(self.bus.request(self.bus.subjects.decode_landed(decode), done, Ack))
         finally:
             if token is not None:
                 otel_context.detach(token)
-        if not ack.ok:
-            raise HandoffFailed(f"decode refused the request: {ack.error}")
-        return stats
+
+    def _ask(self, run: _Run) -> None:
+        """Ask decode for credits, unless a request is already in flight; its slots are recorded as soon
+        as the grant arrives, so the gatherer can use them while we write."""
+        if run.asking is not None:
+            return
+        want = min(self.config.max_slots_per_round, len(run.windows) - run.written - len(run.slots),
+                   len(self.staging.buffers))
+        if want > 0:
+            run.asking = asyncio.create_task(self._request_slots(run, want))
+
+    async def _request_slots(self, run: _Run, want: int) -> SlotGrant:
+        """The SlotRequest task: records the granted slots itself, as it completes."""
+        try:
+            grant = await self.bus.request(self.bus.subjects.decode_slots(run.decode), SlotRequest(
+                run.request_id, self.instance, run.total, run.num_tokens, want), SlotGrant)
+        finally:
+            if run.asking is asyncio.current_task():
+                run.asking = None
+        if grant.slots:
+            run.slots += grant.slots
+            run.credited += len(grant.slots)
+            run.endpoint = grant.endpoint
+            self.staging.poke()
+        return grant
+
+    async def _credits(self, run: _Run) -> None:
+        """Until at least one credit is held: await the grant in flight, asking again while decode is short."""
+        while not run.slots:
+            self._ask(run)
+            grant = await run.asking  # its slots are recorded by the time this returns
+            if grant.slots:
+                continue
+            if grant.error.startswith("fatal:") or time.monotonic() > run.deadline:
+                for ack in list(run.acks):  # an earlier round's refusal (e.g. a checksum) says why first
+                    run.acks.remove(ack)
+                    self._check_filled(await ack, run.stats)
+                raise HandoffFailed(grant.error or "decode granted no landing slots in time")
+            if run.acks:  # our own earlier round holds the credits: wait for it
+                self._check_filled(await run.acks.pop(0), run.stats)
+            else:
+                await asyncio.sleep(0.02)  # decode is short of slots or KV: credits come back soon
+
+    async def _write(self, run: _Run, batch: list[_Gathered], last: bool) -> None:
+        """One batched Transfer Engine write of `batch` into as many credits, then its SlotsFilled."""
+        slots, run.slots = run.slots[:len(batch)], run.slots[len(batch):]
+        pieces = []
+        try:
+            for (slot_id, _, cap), g in zip(slots, batch):
+                if g.raw.numel() > cap:
+                    raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {g.raw.numel()}")
+                pieces.append(Piece(slot_id, g.offset, g.raw.numel(), g.crc))
+            nbytes = sum(p.nbytes for p in pieces)
+            t = time.perf_counter()
+            with tracer.start_as_current_span("kv.write", attributes={
+                    "round": run.stats.rounds, "windows": len(batch), "bytes": nbytes, "writes": len(batch),
+                    "endpoint": run.endpoint}):
+                await _finish_thread(self.transport.write, run.endpoint, [g.raw.data_ptr() for g in batch],
+                                     [s[1] for s in slots], [p.nbytes for p in pieces])
+            run.stats.write_ms += (time.perf_counter() - t) * 1e3
+        finally:
+            await self.staging.give_back([g.buffer for g in batch])
+        run.written += len(batch)
+        run.stats.writes, run.stats.bytes, run.stats.rounds = (run.stats.writes + len(batch), run.stats.bytes + nbytes,
+                                                               run.stats.rounds + 1)
+        wire, crcs = to_wire(pieces)
+        run.acks.append(asyncio.create_task(self.bus.request(
+            self.bus.subjects.decode_filled(run.decode), SlotsFilled(run.request_id, wire, crcs), Ack)))
+        if len(run.acks) > 2 and not last:
+            self._check_filled(await run.acks.pop(0), run.stats)
 
     def _check_filled(self, ack: Ack, stats: HandoffStats) -> None:
         if not ack.ok:
             raise HandoffFailed(f"decode could not land the KV: {ack.error}")
         stats.scatter_ms += float(ack.stats.get("scatter_ms", 0.0))
         stats.verify_ms += float(ack.stats.get("verify_ms", 0.0))
-
-    async def _round(self, decode, request_id, block_table, windows, i, total, num_tokens, deadline, stats,
-                     in_flight) -> int:
-        """One round: credits -> gather -> one batched write -> SlotsFilled (its ack awaited later,
-        at most one round behind). Returns the next window index."""
-        subjects, B = self.bus.subjects, self.layout.block_size
-        want = min(self.config.max_slots_per_round, len(windows) - i, len(self.staging.buffers))
-        grant = await self.bus.request(subjects.decode_slots(decode), SlotRequest(
-            request_id, self.instance, total, num_tokens, want), SlotGrant)
-        if grant.error or not grant.slots:
-            if grant.error.startswith("fatal:") or time.monotonic() > deadline:
-                for task in list(in_flight):  # an earlier round's refusal (e.g. a checksum) says why first
-                    in_flight.remove(task)
-                    self._check_filled(await task, stats)
-                raise HandoffFailed(grant.error or "decode granted no landing slots in time")
-            if in_flight:  # our own earlier round holds the credits: wait for it
-                self._check_filled(await in_flight.pop(0), stats)
-            else:
-                await asyncio.sleep(0.02)  # decode is short of slots or KV: credits come back soon
-            return i
-        slots = grant.slots[:want]
-        bufs = await self.staging.take(len(slots))
-        attrs = {"round": stats.rounds, "windows": len(slots)}
-        try:
-            src, dst, lens, pieces, crc_ms = [], [], [], [], 0.0
-            t = time.perf_counter()
-            with tracer.start_as_current_span("kv.gather", attributes=attrs) as span:
-                for (slot_id, addr, cap), b in zip(slots, bufs):
-                    t0, t1 = windows[i]
-                    i += 1
-                    nbytes = (t1 - t0) * self.token_bytes
-                    if nbytes > cap:
-                        raise HandoffFailed(f"decode slot of {cap} bytes is smaller than a window of {nbytes}")
-                    raw = self.staging.buffers[b][:nbytes]
-                    crc, ms = await asyncio.to_thread(self._gather, block_table[t0 // B:], t1 - t0, raw)
-                    crc_ms += ms
-                    src.append(raw.data_ptr()), dst.append(addr), lens.append(nbytes)
-                    pieces.append(Piece(slot_id, t0 * self.token_bytes, nbytes, crc))
-                span.set_attributes({"bytes": sum(lens), "crc_ms": crc_ms})
-            stats.gather_ms += (time.perf_counter() - t) * 1e3
-            stats.crc_ms += crc_ms
-            t = time.perf_counter()
-            with tracer.start_as_current_span("kv.write", attributes={**attrs, "bytes": sum(lens), "writes": len(src),
-                                                                      "endpoint": grant.endpoint}):
-                await asyncio.to_thread(self.transport.write, grant.endpoint, src, dst, lens)
-            stats.write_ms += (time.perf_counter() - t) * 1e3
-        finally:
-            await self.staging.give_back(bufs)
-        stats.writes, stats.bytes, stats.rounds = stats.writes + len(src), stats.bytes + sum(lens), stats.rounds + 1
-        wire, crcs = to_wire(pieces)
-        in_flight.append(asyncio.create_task(self.bus.request(
-            subjects.decode_filled(decode), SlotsFilled(request_id, wire, crcs), Ack)))
-        if len(in_flight) > 1:
-            self._check_filled(await in_flight.pop(0), stats)
-        return i

@@ -5,9 +5,12 @@ Restore (before the request enters the engine): match the device prefix; look up
 the pool (a chunk counts only if every stage holds its object, errors count as "not now"); read them
 zero-copy into a registered buffer; verify header and checksum; unpack into fresh blocks and register
 them in the device prefix index. A chunk that fails ends the restore there: later tokens are computed.
-Save (after the first token): every full prompt chunk the pool lacks is packed per stage and put with
-the chunk's digest as its group id (a chunk's stages are evicted together). The blocks being saved hold
-a reference of their own until the save ends.
+Reads are pipelined: the next batch of chunks is read into the second of two registered buffers while
+this one is verified (CRC-32C) and unpacked, in one worker call per batch.
+Save (after the first token, deferred to idle time, batched: services/prefill/pool_save.py): every full
+prompt chunk the pool lacks is packed per stage and put with the chunk's digest as its group id (a
+chunk's stages are evicted together). The blocks being saved hold a reference of their own until the
+save ends.
 Each request's chunks are named in its tenant's KV namespace (shared/kv_tenant.py): hashes, keys and
 headers, so one tenant never restores another's KV.
 """
@@ -26,7 +29,8 @@ from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
 from shared.hashing import chunk_hashes
-from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, write_header
+from services.prefill.pool_save import PoolSaver, finish_in_thread
+from shared.kv_object import HEADER_BYTES, ObjectSpec, object_key, verify
 from shared.kv_tenant import KVNamespace
 from shared.logging import get_logger
 from shared.tracing import get_tracer
@@ -42,6 +46,13 @@ class Restored:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class BatchDone:
+    good: int                     # leading chunks of the batch verified and unpacked
+    stage_ms: list[float]         # verify + unpack time per stage
+    failed: tuple | None = None   # (key, reason or read code, True if verification refused it)
+
+
 class PoolConnector:
     def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None):
         self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
@@ -54,24 +65,25 @@ class PoolConnector:
         self.blocks_per_chunk = self.chunk // self.layout.block_size
         self.min_restore = max(self.chunk, settings.min_restore_tokens)  # at least one chunk
         self.kernels = get_kv_kernels(engine.pages[0].device)
-        self.restore_buf = torch.empty(settings.restore_batch_chunks * self.chunk_bytes, dtype=torch.uint8)
-        self.save_buf = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-        client.register(self.restore_buf)
-        client.register(self.save_buf)
-        self.restore_lock, self.save_lock = asyncio.Lock(), asyncio.Lock()
-        self.on_store_event = on_store_event
+        # two read buffers: batch i+1 is read into one while batch i is verified and unpacked from the other
+        self.restore_bufs = [torch.empty(settings.restore_batch_chunks * self.chunk_bytes, dtype=torch.uint8)
+                             for _ in range(2)]
+        for buf in self.restore_bufs:
+            client.register(buf)
+        self.restore_lock = asyncio.Lock()
         self.counters = {"restored_chunks": 0, "restored_bytes": 0, "verify_failures": 0, "saved_chunks": 0,
                          "save_skipped": 0, "save_failures": 0, "lookup_errors": 0}
+        self.saver = PoolSaver(self, on_store_event)
 
-    def _keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
+    def keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
         return [object_key(ns.name, s, self.stages, digest) for s in range(self.stages)]
 
-    def _spec(self, digest: bytes, stage: int, ns: KVNamespace) -> ObjectSpec:
+    def spec(self, digest: bytes, stage: int, ns: KVNamespace) -> ObjectSpec:
         return ObjectSpec(ns.name, digest, stage, self.stages, self.chunk, self.payload[stage])
 
     async def present(self, digests: list[bytes], ns: KVNamespace) -> list[bool]:
         """Per chunk: every stage's object exists. An error is "not now" (False), never data."""
-        keys = [k for d in digests for k in self._keys(d, ns)]
+        keys = [k for d in digests for k in self.keys(d, ns)]
         found = await asyncio.to_thread(self.client.exists, keys) if keys else []
         if any(f is None for f in found):
             self.counters["lookup_errors"] += 1
@@ -154,124 +166,119 @@ class PoolConnector:
 
         t_wait = time.perf_counter()
         while (reserved := await self.loop.call_now(lambda: reserve(time.monotonic() < deadline))) is False:
-            await self.loop.changed(deadline - time.monotonic())  # a step or a release may have freed blocks
+            self.saver.block_waiters += 1  # deferred saves holding blocks go now
+            try:
+                await self.loop.changed(deadline - time.monotonic())  # a step or a release may have freed blocks
+            finally:
+                self.saver.block_waiters -= 1
         span.set_attribute("block_wait_ms", (time.perf_counter() - t_wait) * 1e3)
         if reserved is None:
             return None
         c0, prefix, fresh = reserved
         digests = digests[c0:c0 + len(fresh) // bpc]
-        t0, stage_ms, good, nbytes = time.perf_counter(), [0.0] * self.stages, 0, 0
-        batch = self.settings.restore_batch_chunks
+        t0, stage_ms, timing = time.perf_counter(), [0.0] * self.stages, {"read_wait_ms": 0.0}
         try:
-            for b0 in range(0, len(digests), batch):
-                ok = await self._restore_batch(digests[b0:b0 + batch], fresh[b0 * bpc:], stage_ms, ns)
-                good += ok
-                nbytes += ok * self.chunk_bytes
-                if ok < len(digests[b0:b0 + batch]):
-                    break
-        finally:
-            kept = fresh[:good * bpc]
+            good = await self._read_verify_unpack(digests, fresh, stage_ms, timing, ns)
+        except BaseException:  # nothing is registered; every block we hold goes back
+            await self.loop.call_now(lambda: self.bm.release(reversed(prefix + fresh)))
+            raise
+        kept = fresh[:good * bpc]
 
-            def commit() -> list[int]:
-                table = prefix + kept
-                if kept:
-                    self.bm.register_full_blocks(table, prompt, len(table), start_block=len(prefix), seed=ns.seed)
-                self.bm.release(reversed(fresh[good * bpc:]))
-                return table
+        def commit() -> list[int]:
+            table = prefix + kept
+            if kept:
+                self.bm.register_full_blocks(table, prompt, len(table), start_block=len(prefix), seed=ns.seed)
+            self.bm.release(reversed(fresh[good * bpc:]))
+            return table
 
-            pinned = await self.loop.call_now(commit)
+        pinned = await self.loop.call_now(commit)
+        nbytes = good * self.chunk_bytes
         self.counters["restored_chunks"] += good
         self.counters["restored_bytes"] += nbytes
         span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
-                             "ms": (time.perf_counter() - t0) * 1e3,
+                             "ms": (time.perf_counter() - t0) * 1e3, **timing,
                              **{f"stage{s}_ms": ms for s, ms in enumerate(stage_ms)}})
         return Restored(pinned, (c0 * self.chunk, (c0 + good) * self.chunk),
                         {"chunks": good, "bytes": nbytes})
 
-    async def _restore_batch(self, digests: list[bytes], blocks: list[int], stage_ms: list[float],
-                             ns: KVNamespace) -> int:
-        """Reads, verifies and unpacks these chunks; returns how many leading chunks are good."""
-        keys, addrs, sizes, views = [], [], [], []
-        off, base = 0, self.restore_buf.data_ptr()
-        for d in digests:
-            for s, key in enumerate(self._keys(d, ns)):
-                keys.append(key), addrs.append(base + off), sizes.append(self.obj_bytes[s])
-                views.append(self.restore_buf[off:off + self.obj_bytes[s]])
-                off += self.obj_bytes[s]
-        got = await asyncio.to_thread(self.client.get_into, keys, addrs, sizes)
-        bpc, S = self.blocks_per_chunk, self.stages
-        for c, d in enumerate(digests):
-            for s in range(S):
-                i = c * S + s
+    async def _read_verify_unpack(self, digests: list[bytes], blocks: list[int], stage_ms: list[float],
+                                  timing: dict, ns: KVNamespace) -> int:
+        """Reads the chunks in batches, batch i+1 while batch i is verified and unpacked (in order: a
+        chunk is unpacked only when every chunk before it was good); returns how many leading chunks
+        are good (restored into their blocks). timing["read_wait_ms"]: time spent waiting for reads."""
+        size, bpc = self.settings.restore_batch_chunks, self.blocks_per_chunk
+        batches = [digests[b0:b0 + size] for b0 in range(0, len(digests), size)]
+        reading = self._read(batches[0], 0, ns) if batches else None
+        good = 0
+        try:
+            for i, batch in enumerate(batches):
                 t = time.perf_counter()
-                if got[i] != sizes[i]:  # gone (store died, evicted) or unreadable: a miss from here on
-                    log.info("pool read failed", key=keys[i], code=got[i])
-                    return c
-                why = await asyncio.to_thread(verify, views[i], self._spec(d, s, ns))
-                if why is not None:
-                    self.counters["verify_failures"] += 1
-                    log.warning("pool object rejected", key=keys[i], reason=why)
-                    return c
-                payload = views[i][HEADER_BYTES:].view(self.layout.dtype)
-                await asyncio.to_thread(self.kernels.unpack_chunk, payload, self.engine.pages[s],
-                                        blocks[c * bpc:(c + 1) * bpc])
-                stage_ms[s] += (time.perf_counter() - t) * 1e3
-        return len(digests)
+                got, reading = await reading, None
+                timing["read_wait_ms"] += (time.perf_counter() - t) * 1e3
+                if i + 1 < len(batches):  # its buffer is free: batch i-1 was unpacked from it
+                    reading = self._read(batches[i + 1], (i + 1) % 2, ns)
+                done = await finish_in_thread(self._verify_unpack, batch, got, (i % 2),
+                                              blocks[good * bpc:(good + len(batch)) * bpc], ns)
+                for s, ms in enumerate(done.stage_ms):
+                    stage_ms[s] += ms
+                if done.failed is not None:
+                    key, why, verify_failed = done.failed
+                    if verify_failed:
+                        self.counters["verify_failures"] += 1
+                        log.warning("pool object rejected", key=key, reason=why)
+                    else:
+                        log.info("pool read failed", key=key, code=why)
+                good += done.good
+                if done.good < len(batch):
+                    break
+        finally:
+            if reading is not None:  # a read still in flight writes into our buffer: let it end
+                with contextlib.suppress(Exception):
+                    await reading
+        return good
 
-    # ---- save ------------------------------------------------------------------------------------
+    def _read(self, digests: list[bytes], buf: int, ns: KVNamespace) -> asyncio.Future:
+        """Starts the batched read of these chunks' objects into restore buffer `buf`: got per object."""
+        keys, addrs, sizes, off, base = [], [], [], 0, self.restore_bufs[buf].data_ptr()
+        for d in digests:
+            for s, key in enumerate(self.keys(d, ns)):
+                keys.append(key), addrs.append(base + off), sizes.append(self.obj_bytes[s])
+                off += self.obj_bytes[s]
+        return asyncio.ensure_future(finish_in_thread(self.client.get_into, keys, addrs, sizes))
+
+    def _verify_unpack(self, digests: list[bytes], got: list[int], buf: int, blocks: list[int],
+                       ns: KVNamespace) -> "BatchDone":
+        """In a worker thread: per chunk, in order, every stage's object read whole and verified, then
+        unpacked into its blocks. Stops at the first chunk that is not (nothing of it is unpacked)."""
+        bpc, S, off, stage_ms = self.blocks_per_chunk, self.stages, 0, [0.0] * self.stages
+        views = []
+        for _ in digests:
+            for s in range(S):
+                views.append(self.restore_bufs[buf][off:off + self.obj_bytes[s]])
+                off += self.obj_bytes[s]
+        for c, d in enumerate(digests):
+            for s in range(S):  # all stages first: a chunk is restored whole or not at all
+                i = c * S + s
+                if got[i] != self.obj_bytes[s]:  # gone (store died, evicted) or unreadable: a miss from here on
+                    return BatchDone(c, stage_ms, (self.keys(d, ns)[s], got[i], False))
+                t = time.perf_counter()
+                why = verify(views[i], self.spec(d, s, ns))
+                stage_ms[s] += (time.perf_counter() - t) * 1e3
+                if why is not None:
+                    return BatchDone(c, stage_ms, (self.keys(d, ns)[s], why, True))
+            for s in range(S):
+                t = time.perf_counter()
+                payload = views[c * S + s][HEADER_BYTES:].view(self.layout.dtype)
+                self.kernels.unpack_chunk(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
+                stage_ms[s] += (time.perf_counter() - t) * 1e3
+        return BatchDone(len(digests), stage_ms, None)
+
+    # ---- save (services/prefill/pool_save.py) -------------------------------------------------------
     def hold_for_save(self, prompt: list[int], block_table: list[int]) -> list[int]:
-        """Called on the event loop between steps (no engine step running): our own reference on the
-        prompt's full-chunk blocks, taken before anyone else may release them."""
-        blocks = block_table[:(len(prompt) // self.chunk) * self.blocks_per_chunk]
-        self.bm.acquire(blocks)
-        return blocks
+        """Called on the event loop between steps: pins the prompt's full-chunk blocks for its save."""
+        return self.saver.hold(prompt, block_table)
 
     async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx,
                    tenant: str = "") -> None:
-        bpc, ns = self.blocks_per_chunk, self.engine.kv_namespace(tenant)
-        try:
-            with tracer.start_as_current_span("store.save", context=trace_ctx) as span:
-                digests = chunk_hashes(prompt, ns.seed, self.chunk)[:len(blocks) // bpc]
-                present = await self.present(digests, ns)
-                saved = []
-                async with self.save_lock:
-                    for c, (d, have) in enumerate(zip(digests, present)):
-                        if have:
-                            self.counters["save_skipped"] += 1
-                            continue
-                        if await self._save_chunk(d, blocks[c * bpc:(c + 1) * bpc], ns):
-                            saved.append(d)
-                self.counters["saved_chunks"] += len(saved)
-                span.set_attributes({"request_id": request_id, "chunks": len(saved),
-                                     "skipped": sum(present), "bytes": len(saved) * self.chunk_bytes})
-            if saved and self.on_store_event:
-                await self.on_store_event(saved)
-        except Exception as e:  # a save is best effort: the request already has its answer
-            self.counters["save_failures"] += 1
-            log.warning("save failed", request_id=request_id, error=str(e))
-        finally:
-            await self.loop.call_now(lambda: self.bm.release(reversed(blocks)))
-
-    async def _save_chunk(self, digest: bytes, blocks: list[int], ns: KVNamespace) -> bool:
-        keys, addrs, sizes, off = self._keys(digest, ns), [], [], 0
-        for s in range(self.stages):
-            obj = self.save_buf[off:off + self.obj_bytes[s]]
-            payload = obj[HEADER_BYTES:]
-
-            def pack(s=s, obj=obj, payload=payload):
-                self.kernels.pack_chunk(self.engine.pages[s], blocks, out=payload.view(self.layout.dtype))
-                write_header(obj, self._spec(digest, s, ns), checksum(payload))
-
-            await asyncio.to_thread(pack)
-            addrs.append(self.save_buf.data_ptr() + off), sizes.append(self.obj_bytes[s])
-            off += self.obj_bytes[s]
-        rc = await asyncio.to_thread(self.client.put_from, keys, addrs, sizes, digest.hex())
-        if any(r != 0 for r in rc):
-            # half a chunk is no hit (every stage must be there): give back what did land
-            landed = [k for k, r in zip(keys, rc) if r == 0]
-            if landed:
-                await asyncio.to_thread(self.client.remove, landed, True)
-            self.counters["save_failures"] += 1
-            log.warning("pool put failed", digest=digest.hex(), codes=rc)
-            return False
-        return True
+        """Saves the chunks the pool lacks (deferred, batched) and releases `blocks` exactly once."""
+        await self.saver.save(request_id, prompt, blocks, trace_ctx, tenant)

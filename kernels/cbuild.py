@@ -1,0 +1,131 @@
+"""A C function compiled at first use by the system compiler and loaded with ctypes: the build and cache
+every CPU kernel here shares (kernels/cpu_attention.py, kernels/cpu_kv.py).
+
+The shared object is cached under `MOORAGE_KERNEL_CACHE` (default `~/.cache/moorage/kernels`, or a per-user
+temp dir when home is read-only), keyed by source, flags, compiler, its version and the CPU (-march=native
+code runs only on the CPU it was built for). Flag sets are tried in order until one builds and loads; when
+none does (no compiler, say), `load()` raises RuntimeError and the caller uses its torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "MOORAGE_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moorage" / "kernels"
+
+
+def compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def cpu_id() -> str:
+    """-march=native code only runs on the CPU it was built for: the cache key names the CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+@dataclass
+class CKernel:
+    name: str                      # the .c/.so file stem
+    source: str
+    symbol: str                    # the C function to load
+    argtypes: list
+    flag_sets: list[list[str]]     # each appended to base_flags, tried in order
+    base_flags: list[str] = field(default_factory=lambda: ["-O3", "-fno-math-errno", "-fPIC", "-shared"])
+    libs: list[str] = field(default_factory=list)  # e.g. ["-lm"], after the source
+    what: str = "CPU kernel"       # for messages
+    flags: str = ""                # the flags the loaded build used
+    _fn: object = None
+    _error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def build(self, cc: str, flags: list[str]) -> Path:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([self.source, " ".join(flags), cc, version, cpu_id()]).encode()).hexdigest()[:16]
+        out = cache_dir() / f"{self.name}-{key}.so"
+        if out.exists():
+            return out
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(out.parent, os.W_OK):
+                raise PermissionError(out.parent)
+        except OSError:  # read-only home (containers): a per-user temp dir
+            uid = os.getuid() if hasattr(os, "getuid") else 0
+            out = Path(tempfile.gettempdir()) / f"moorage-kernels-{uid}" / out.name
+            if out.exists():
+                return out
+            out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = Path(tmp) / f"{self.name}.c"
+            src.write_text(self.source)
+            so = Path(tmp) / out.name
+            r = subprocess.run([cc, *flags, str(src), "-o", str(so), *self.libs], capture_output=True, text=True,
+                               timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} {' '.join(flags)} failed: {r.stderr.strip()[-2000:]}")
+            os.replace(so, out)
+        return out
+
+    def reset(self) -> None:
+        """Forget the loaded function (or the failure): the next load() looks again (tests)."""
+        with self._lock:
+            self._fn, self._error, self.flags = None, None, ""
+
+    def available(self) -> bool:
+        try:
+            self.load()
+            return True
+        except RuntimeError:
+            return False
+
+    def load(self):
+        """The ctypes function, building it if needed (once per process); RuntimeError when unavailable."""
+        if self._fn is None and self._error is None:
+            with self._lock:
+                if self._fn is None and self._error is None:
+                    self._try_builds()
+        if self._fn is None:
+            raise RuntimeError(f"{self.what} unavailable: {self._error}")
+        return self._fn
+
+    def _try_builds(self) -> None:
+        errors, cc = [], compiler()
+        if cc is None:
+            errors.append("no C compiler (set CC or install gcc)")
+        for extra in self.flag_sets if cc else ():
+            flags = self.base_flags + extra
+            try:
+                fn = getattr(ctypes.CDLL(str(self.build(cc, flags))), self.symbol)
+                fn.restype, fn.argtypes = ctypes.c_int, self.argtypes
+                self._fn, self.flags = fn, " ".join(flags)
+                return
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+        self._error = "; ".join(errors)
+        log.warning("%s unavailable, using the torch reference: %s", self.what, self._error)

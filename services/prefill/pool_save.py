@@ -1,0 +1,174 @@
+"""Prefill's pool saves: a finished prompt's new full chunks go to the pool in batched puts, when the
+engine has nothing to compute, so that saving never slows the traffic that pays for it.
+
+Why deferred: on traffic that never returns, saving every chunk at once, one put per chunk, cost 12% of
+throughput (bench/zero_hit.py: packing, checksums, master round trips and transfers beside the engine's
+compute); saves with no compute to compete with cost nothing measurable. A save is no less sure for the
+wait: its blocks stay pinned on the device (`hold_for_save`) and stay in the device prefix cache, so the
+session's next turn on this prefill hits them either way. A waiting save goes at once when
+- the engine is idle (nothing running or waiting);
+- something waits for blocks: the engine is stalled, or a restore waits for free blocks;
+- waiting saves pin more than `save_max_held_fraction` of the device blocks;
+- it waited `save_max_delay_s` (traffic that never lets up still gets saved, beside compute).
+
+How: saves run one at a time (FIFO). A save asks which of its chunks the pool lacks (now, not when it
+was queued: an earlier save may have put a shared prefix), packs them into one registered buffer, header
+and CRC-32C per object, in one worker call, and puts them with ONE batched put (up to
+`save_batch_chunks` chunks; each chunk's stages one eviction group). A chunk a put could not complete is
+removed (half a chunk is no hit). `save_max_mbps` paces the puts. The blocks are released exactly once,
+whatever happens (failure, cancel, stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import torch
+
+from shared.engine.loop import EngineLoopDead
+from shared.hashing import chunk_hashes
+from shared.kv_object import HEADER_BYTES, checksum, write_header
+from shared.kv_tenant import KVNamespace
+from shared.logging import get_logger
+from shared.tracing import get_tracer
+
+tracer = get_tracer("moorage.prefill.pool")
+log = get_logger("prefill.pool")
+
+
+async def finish_in_thread(fn, *args):
+    """asyncio.to_thread, but a cancelled caller still waits for the thread to end: its buffer and its
+    blocks are not let go while a worker reads or writes them."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+class PoolSaver:
+    """The save half of PoolConnector (`conn`: geometry, names, counters, client and engine)."""
+
+    def __init__(self, conn, on_store_event=None):
+        self.conn, self.settings, self.on_store_event = conn, conn.settings, on_store_event
+        self.engine, self.loop, self.bm = conn.engine, conn.loop, conn.bm
+        self.batch = self.settings.save_batch_chunks
+        self.buf = torch.empty(self.batch * conn.chunk_bytes, dtype=torch.uint8)
+        conn.client.register(self.buf)
+        self.lock = asyncio.Lock()  # FIFO: one save at a time, in the order they were queued
+        self.held_blocks = 0        # blocks pinned by saves that have not ended
+        self.block_waiters = 0      # restores waiting for free blocks (a deferred save then goes)
+        self._paced_until = 0.0
+
+    def hold(self, prompt: list[int], block_table: list[int]) -> list[int]:
+        """Called on the event loop between steps (no engine step running): our own reference on the
+        prompt's full-chunk blocks, taken before anyone else may release them."""
+        blocks = block_table[:(len(prompt) // self.conn.chunk) * self.conn.blocks_per_chunk]
+        self.bm.acquire(blocks)
+        self.held_blocks += len(blocks)
+        return blocks
+
+    def _why_go(self, deadline: float) -> str | None:
+        """Why this save may go now (a counter's name), or None: wait."""
+        e = self.engine
+        if not self.settings.save_when_idle:
+            return "eager"
+        if not e.has_unfinished():
+            return "idle"
+        if e.stalled or self.block_waiters > 0:
+            return "blocks_wanted"
+        if self.held_blocks > self.settings.save_max_held_fraction * self.bm.num_blocks:
+            return "held_too_many"
+        if time.monotonic() >= deadline:
+            return "max_delay"
+        return None
+
+    async def _turn(self, deadline: float) -> tuple[str, float]:
+        """Waits (on engine state changes, never polling) until this save may go: (why, ms waited)."""
+        t0 = time.monotonic()
+        while (why := self._why_go(deadline)) is None:
+            # shielded: a cancel that lands as the wait ends is not lost in wait_for (Python 3.11)
+            await asyncio.shield(self.loop.changed(max(deadline - time.monotonic(), 1e-3)))
+        self.conn.counters[f"save_went_{why}"] = self.conn.counters.get(f"save_went_{why}", 0) + 1
+        return why, (time.monotonic() - t0) * 1e3
+
+    async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx, tenant: str = "") -> None:
+        conn, bpc = self.conn, self.conn.blocks_per_chunk
+        ns = self.engine.kv_namespace(tenant)
+        deadline = time.monotonic() + self.settings.save_max_delay_s
+        try:
+            async with self.lock:
+                with tracer.start_as_current_span("store.save", context=trace_ctx) as span:
+                    went, waited_ms = await self._turn(deadline)
+                    digests = chunk_hashes(prompt, ns.seed, conn.chunk)[:len(blocks) // bpc]
+                    present = await conn.present(digests, ns)
+                    todo = [c for c, have in enumerate(present) if not have]
+                    conn.counters["save_skipped"] += len(digests) - len(todo)
+                    saved, puts = [], 0
+                    for b0 in range(0, len(todo), self.batch):
+                        part = todo[b0:b0 + self.batch]
+                        saved += await self._put([digests[c] for c in part],
+                                                 [blocks[c * bpc:(c + 1) * bpc] for c in part], ns)
+                        puts += 1
+                    conn.counters["saved_chunks"] += len(saved)
+                    span.set_attributes({"request_id": request_id, "chunks": len(saved), "puts": puts,
+                                         "skipped": len(digests) - len(todo), "waited_ms": waited_ms, "went": went,
+                                         "bytes": len(saved) * conn.chunk_bytes})
+            if saved and self.on_store_event:
+                await self.on_store_event(saved)
+        except Exception as e:  # a save is best effort: the request already has its answer
+            conn.counters["save_failures"] += 1
+            log.warning("save failed", request_id=request_id, error=str(e))
+        finally:
+            self.held_blocks -= len(blocks)
+            with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
+                await self.loop.call_now(lambda: self.bm.release(reversed(blocks)))
+
+    async def _pace(self, nbytes: int) -> None:
+        """save_max_mbps: this put starts when the previous ones' bytes have had their time."""
+        if self.settings.save_max_mbps <= 0:
+            return
+        now = time.monotonic()
+        start = max(now, self._paced_until)
+        self._paced_until = start + nbytes / (self.settings.save_max_mbps * 1e6)
+        if start > now:
+            await asyncio.sleep(start - now)
+
+    async def _put(self, digests: list[bytes], chunks: list[list[int]], ns: KVNamespace) -> list[bytes]:
+        """One batched put of these chunks (every stage of each); returns the digests that landed whole."""
+        conn, S = self.conn, self.conn.stages
+        keys, addrs, sizes, groups, views = [], [], [], [], []
+        off, base = 0, self.buf.data_ptr()
+        for d in digests:
+            for s, key in enumerate(conn.keys(d, ns)):
+                n = conn.obj_bytes[s]
+                keys.append(key), addrs.append(base + off), sizes.append(n), groups.append(d.hex())
+                views.append(self.buf[off:off + n])
+                off += n
+
+        def pack() -> None:  # one worker call for the whole batch
+            for c, (d, blocks) in enumerate(zip(digests, chunks)):
+                for s in range(S):
+                    obj = views[c * S + s]
+                    payload = obj[HEADER_BYTES:]
+                    conn.kernels.pack_chunk(self.engine.pages[s], blocks, out=payload.view(conn.layout.dtype))
+                    write_header(obj, conn.spec(d, s, ns), checksum(payload))
+
+        await finish_in_thread(pack)
+        await self._pace(off)
+        rc = await finish_in_thread(conn.client.put_from, keys, addrs, sizes, groups)
+        good, landed_of_bad = [], []
+        for c, d in enumerate(digests):
+            mine = rc[c * S:(c + 1) * S]
+            if all(r == 0 for r in mine):
+                good.append(d)
+            else:  # half a chunk is no hit (every stage must be there): give back what did land
+                landed_of_bad += [k for k, r in zip(keys[c * S:(c + 1) * S], mine) if r == 0]
+                conn.counters["save_failures"] += 1
+                log.warning("pool put failed", digest=d.hex(), codes=mine)
+        if landed_of_bad:
+            await finish_in_thread(conn.client.remove, landed_of_bad, True)
+        return good

@@ -1,0 +1,163 @@
+"""Handoff windows of exactly one landing slot (issue 11, item 5): a handoff is ceil(bytes / slot_bytes)
+writes however the slot size falls on token and block boundaries, and what decode adopts is exactly the
+prefill's KV, so greedy output equals a from-scratch computation token for token.
+
+In process: real Transfer Engines over loopback, a real nats-server, the tiny model on both sides.
+Slot sizes: a whole number of blocks (no cut token), one byte short of a block, a few tokens and some
+bytes, and less than one token (a token spread over three pieces, some pieces inside one token).
+Also: decode refuses a piece that overlaps one already landed, and HandoffDone sent together with the
+last SlotsFilled (as prefill does) is adopted only once every byte has landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.reference import gather_for_ranks
+from services.decode.landing import LandingZone
+from services.decode.main import DecodeService
+from services.prefill.handoff import HandoffSender
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.handoff_check import checksum
+from shared.logging import get_logger
+from shared.messages import HandoffDone, SlotRequest, SlotsFilled, TokenChunk
+from shared.transfer import KVTransport, LandingSlots, TransferConfig
+
+NUM_BLOCKS = 32
+
+
+def _snapshot_on_take(zone: LandingZone, num_tokens: int) -> list[torch.Tensor]:
+    """Wraps zone.take: the KV rows of the landing's blocks at the moment they are handed to the engine."""
+    taken, take = [], zone.take
+
+    def take_and_read(rid: str):
+        landing = take(rid)
+        engine = zone.engine
+        taken.append(gather_for_ranks(engine.pages, landing.blocks, num_tokens, 1, engine.layout)[0])
+        return landing
+
+    zone.take = take_and_read
+    return taken
+
+
+def _ctx(role: str, bus):
+    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
+
+
+def _slot_sizes(token_bytes: int, block: int) -> dict[str, int]:
+    return {"whole blocks": 2 * block * token_bytes, "block minus a byte": block * token_bytes - 1,
+            "tokens and bytes": 5 * token_bytes + 123, "under a token": token_bytes // 3 + 5}
+
+
+@pytest.mark.parametrize("case", ["whole blocks", "block minus a byte", "tokens and bytes", "under a token"])
+async def test_slot_sized_windows_land_exactly(tiny, case):
+    from shared.bus import Bus, BusConfig
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("windows cut anywhere: " * 4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    layout = p_engine.layout
+    slot_bytes = _slot_sizes(layout.bytes_per_token, layout.block_size)[case]
+    total = len(prompt) * layout.bytes_per_token
+    cfg = TransferConfig(slot_bytes=slot_bytes, slots=6, max_slots_per_round=3, timeout_s=30)
+    with nats_url() as url:
+        p_bus = await Bus.connect(BusConfig(url=url), "test-prefill")
+        d_bus = await Bus.connect(BusConfig(url=url), "test-decode")
+        p_te, d_te = KVTransport(), KVTransport()
+        slots = LandingSlots(cfg.slots, slot_bytes, d_te)
+        decode = DecodeService(_ctx("decode", d_bus), d_engine,
+                               lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint))
+        decode.loop.start()
+        s = d_bus.subjects
+        await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant)
+        await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
+        await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
+        sender = HandoffSender(p_bus, "prefill-0", layout, p_engine.pages, p_te, cfg)
+        try:
+            chunks: list[TokenChunk] = []
+            finished = asyncio.Event()
+
+            async def on_chunk(chunk: TokenChunk, _raw) -> None:
+                chunks.append(chunk)
+                if chunk.finished:
+                    finished.set()
+
+            await p_bus.subscribe(p_bus.subjects.request_out("r1"), TokenChunk, on_chunk)
+            seq = p_engine.add_request("r1", prompt, params, prefill_only=True, retain_kv=True)
+            while not p_engine.step():
+                pass
+            table = list(seq.block_table)
+            expected_kv = gather_for_ranks(p_engine.pages, table, len(prompt), 1, layout)[0]
+            done = HandoffDone("r1", seq.prompt_ids, seq.output_ids, seq.output_text, params.to_dict(),
+                               {"device": 0, "store": 0, "computed": len(prompt)})
+            adopted = _snapshot_on_take(decode.zone, len(prompt))
+            stats = await sender.send("decode-0", "r1", table, len(prompt), done)
+            assert stats.writes == -(-total // slot_bytes) and stats.bytes == total
+            assert torch.equal(adopted[0], expected_kv)  # the blocks adopted hold exactly prefill's KV
+            p_engine.block_manager.release(reversed(table))
+            await asyncio.wait_for(finished.wait(), 30)
+            got_ids = done.output_ids + [t for c in chunks for t in c.token_ids]
+            assert got_ids == want.output_ids and not any(c.error for c in chunks)
+            assert decode.zone.checks.verified == stats.writes and decode.zone.checks.failures == 0
+            assert not decode.zone.landings and slots.num_free == cfg.slots
+        finally:
+            await decode.stop()
+            slots.close()
+            await p_bus.close()
+            await d_bus.close()
+            for te in (p_te, d_te):
+                te.close()
+
+
+# ---------------------------------------------------------------- LandingZone alone
+
+
+@pytest.fixture
+async def decode(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    slots = LandingSlots(4, 1 << 18)
+    bus = SimpleNamespace(trace_context=lambda raw: None)
+    svc = DecodeService(_ctx("decode", bus), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
+    svc.loop.start()
+    yield svc
+    await svc.loop.stop()
+    engine.block_manager.check_integrity()
+    slots.check_integrity()
+
+
+def _piece(zone: LandingZone, slot_id: int, offset: int, data: torch.Tensor) -> SlotsFilled:
+    zone.slots.view(slot_id, data.numel()).copy_(data)
+    return SlotsFilled("r1", [[slot_id, offset, data.numel()]], [checksum(data)])
+
+
+async def test_overlapping_piece_is_refused_and_done_waits_for_the_last_piece(decode, tiny):
+    zone = decode.zone
+    prompt = tiny.tokenizer.encode("two pieces, cut inside a token")
+    tb = zone.token_bytes
+    total = len(prompt) * tb
+    reply = await zone.grant(SlotRequest("r1", "prefill-0", total, len(prompt), max_slots=3))
+    (a, _, _), (b, _, _), (c, _, _) = reply.slots
+    data = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    cut = 3 * tb + tb // 2  # inside token 3
+    assert (await zone.filled(_piece(zone, a, 0, data[:cut]))).ok
+    overlap = await zone.filled(_piece(zone, b, cut - 8, data[cut - 8:cut + 8]))
+    assert not overlap.ok and "bad piece" in overlap.error
+    assert 3 in zone.landings["r1"].seams  # token 3's first half waits for the rest
+    params = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
+    adopted = _snapshot_on_take(zone, len(prompt))
+    adopt = asyncio.create_task(decode.on_landed(
+        HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0, "computed": len(prompt)}), None))
+    await asyncio.sleep(0.05)
+    assert not adopt.done()  # HandoffDone came before the last piece: it waits
+    assert (await zone.filled(_piece(zone, c, cut, data[cut:]))).ok
+    ack = await asyncio.wait_for(adopt, 10)
+    assert ack.ok and not zone.landings
+    assert torch.equal(adopted[0].flatten().view(torch.uint8), data)  # token 3 joined from both pieces
+    await decode.on_cancel(SimpleNamespace(request_id="r1", reason="test over"), None)

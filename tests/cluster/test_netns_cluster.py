@@ -66,9 +66,10 @@ def cluster(tmp_path_factory):
         render(run / "cluster.toml", run / "out")
         c = Cluster(top, run / "out", run)
         print(f"cluster files and service logs: {run}")
-        from kernels import cpu_attention  # a warm kernel cache per host: one compile, not three
+        from kernels import cbuild, cpu_attention, cpu_kv  # warm kernel caches per host: one compile, not three
 
-        seed = cpu_attention.cache_dir() if cpu_attention.available() else None
+        built = [cpu_attention.available(), cpu_kv.available()]  # both C kernels, before the copies
+        seed = cbuild.cache_dir() if any(built) else None
         for h in top.hosts:
             c.fs(h.name).prepare(seed)
         t0 = time.monotonic()

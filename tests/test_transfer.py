@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,16 +273,26 @@ def test_write_to_closed_peer_fails_fast(pair, buffers):
     assert time.monotonic() - t0 < 2
 
 
-_STUCK_PEER = """
+# more than loopback socket buffers absorb (tcp_rmem + tcp_wmem maxima: 32 + 4 MiB by default): a write to a
+# frozen peer cannot complete into the kernel's buffers (1 MiB once did, at load 9)
+STUCK_BYTES = 64 << 20
+_STUCK_PEER = f"""
 import ctypes, sys
+STUCK_BYTES = {STUCK_BYTES}
 from mooncake.engine import TransferEngine
 e = TransferEngine()
 assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-buf = ctypes.create_string_buffer(1 << 20)
-assert e.register_memory(ctypes.addressof(buf), 1 << 20) == 0
+buf = ctypes.create_string_buffer(STUCK_BYTES)
+assert e.register_memory(ctypes.addressof(buf), STUCK_BYTES) == 0
 print(e.get_rpc_port(), ctypes.addressof(buf), flush=True)
 sys.stdin.read()
 """
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until the kernel shows the process stopped (state T): SIGSTOP is delivered asynchronously."""
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.005)
 
 
 def test_write_to_stuck_peer_times_out(pair, monkeypatch):
@@ -291,15 +302,16 @@ def test_write_to_stuck_peer_times_out(pair, monkeypatch):
     t = pair[0]                                  # created before the timeout was set: still applies
     proc = subprocess.Popen([sys.executable, "-c", _STUCK_PEER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    src = torch.ones(1 << 20, dtype=torch.uint8)
+    src = torch.ones(STUCK_BYTES, dtype=torch.uint8)
     t.register(src)
     try:
         port, addr = map(int, bounded(proc.stdout.readline, 10).split())
-        bounded(lambda: t.write(f"127.0.0.1:{port}", [src.data_ptr()], [addr], [1 << 20]))
+        bounded(lambda: t.write(f"127.0.0.1:{port}", [src.data_ptr()], [addr], [STUCK_BYTES]))
         os.kill(proc.pid, signal.SIGSTOP)
+        bounded(lambda: _wait_stopped(proc.pid), 10)
         t0 = time.monotonic()
         with pytest.raises(TransferError):
-            bounded(lambda: t.write(f"127.0.0.1:{port}", [src.data_ptr()], [addr], [1 << 20]), 5)
+            bounded(lambda: t.write(f"127.0.0.1:{port}", [src.data_ptr()], [addr], [STUCK_BYTES]), 5)
         assert time.monotonic() - t0 < 4
     finally:
         proc.kill()

@@ -205,6 +205,7 @@ class SlotGrant(Message):
     endpoint: str = ""                                # decode's transfer-engine endpoint
     slots: list = field(default_factory=list)         # [[slot_id, addr, nbytes], ...]
     error: str = ""
+    fatal: bool = False  # asking again cannot help (cancelled, layout mismatch, malformed); else: no room yet, ask again
 
 
 @message("slots_filled")

@@ -99,19 +99,19 @@ class LandingZone:
                 "request_id": msg.request_id, "wanted": msg.max_slots}) as span:
             reply = await self._grant(msg)
             span.set_attributes({"granted": len(reply.slots), "error": reply.error})
-            if reply.error.startswith("fatal:"):
+            if reply.fatal:
                 span.set_status(Status(StatusCode.ERROR, reply.error))
             return reply
 
     async def _grant(self, msg: SlotRequest) -> SlotGrant:
         rid = msg.request_id
         if rid in self.cancelled:
-            return SlotGrant(rid, error="fatal: request cancelled")
+            return SlotGrant(rid, error="request cancelled", fatal=True)
         landing = self.landings.get(rid)
         if landing is None:
             if msg.total_bytes != msg.num_tokens * self.token_bytes:
-                return SlotGrant(rid, error=f"fatal: KV layout mismatch: {msg.total_bytes} bytes for "
-                                            f"{msg.num_tokens} tokens, expected {self.token_bytes} per token")
+                return SlotGrant(rid, error=f"KV layout mismatch: {msg.total_bytes} bytes for {msg.num_tokens} "
+                                            f"tokens, expected {self.token_bytes} per token", fatal=True)
             n_blocks = -(-msg.num_tokens // self.layout.block_size)
             try:
                 blocks = await self.loop.call(lambda: self.engine.block_manager.allocate(n_blocks))
@@ -120,7 +120,7 @@ class LandingZone:
             if rid in self.cancelled or rid in self.landings:  # cancelled, or a duplicate grant won, meanwhile
                 await self.loop.call(lambda: self.engine.block_manager.release(blocks))
                 if rid in self.cancelled:
-                    return SlotGrant(rid, error="fatal: request cancelled")
+                    return SlotGrant(rid, error="request cancelled", fatal=True)
             else:
                 self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
                 self._spawn(self._prefault(blocks))  # while its bytes are on the wire (a no-op once warm)

@@ -175,7 +175,7 @@ async def serve(ctx: ServiceContext) -> None:
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,
-                            on_error=lambda e, raw: SlotGrant("", error=f"fatal: {e}"))
+                            on_error=lambda e, raw: SlotGrant("", error=str(e), fatal=True))
     await ctx.bus.subscribe(s.decode_filled(ctx.instance), SlotsFilled, svc.zone.filled,
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,

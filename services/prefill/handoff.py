@@ -284,7 +284,7 @@ class HandoffSender:
             grant = await run.asking  # its slots are recorded by the time this returns
             if grant.slots:
                 continue
-            if grant.error.startswith("fatal:") or time.monotonic() > run.deadline:
+            if grant.fatal or time.monotonic() > run.deadline:
                 for ack in list(run.acks):  # an earlier round's refusal (e.g. a checksum) says why first
                     run.acks.remove(ack)
                     self._check_filled(await ack, run.stats)

@@ -227,6 +227,8 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
         await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant)
         await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
         await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
+        await d_bus.nc.flush()
+        await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
         sender = HandoffSender(p_bus, "prefill-0", layout, p_engine.pages, p_te, cfg)
 
         flip = torch.zeros(1, dtype=torch.uint8)  # the rogue engine's registered source byte

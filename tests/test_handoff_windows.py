@@ -79,6 +79,8 @@ async def test_slot_sized_windows_land_exactly(tiny, case):
         await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant)
         await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
         await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
+        await d_bus.nc.flush()
+        await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
         sender = HandoffSender(p_bus, "prefill-0", layout, p_engine.pages, p_te, cfg)
         try:
             chunks: list[TokenChunk] = []

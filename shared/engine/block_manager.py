@@ -47,11 +47,12 @@ class BlockManager:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self._on_event = on_event
+        self.on_allocate: Callable[[list[int]], None] | None = None  # told the ids of every allocate (PageWarmer)
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # set iff _hash is set
         self._index: dict[bytes, int] = {}  # hash -> canonical block
-        # Ordered sets (values unused). Plain: FIFO. Cached: LRU, most recently released at the end.
+        # Ordered sets (values unused). Plain: FIFO (so never-used blocks go out in id order: PageWarmer). Cached: LRU, most recently released at the end.
         self._plain_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()
 
@@ -164,6 +165,8 @@ class BlockManager:
             self._ref[b] = 1
         if evicted:
             self._emit(BlockRemoved(evicted))
+        if self.on_allocate is not None and out:
+            self.on_allocate(out)
         return out
 
     # ---- registration ------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_sizing import size_kv
+from shared.engine.kv_sizing import parse_memory, size_kv
+from shared.engine.page_warmer import PageWarmer
 from shared.engine.model import LlamaModel
 from shared.engine.models import LoadedModel
 from shared.engine.runner import ModelRunner
@@ -52,6 +53,20 @@ class EngineConfig:
     tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
     chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
+    kv_warm_ahead: str = "512MiB"     # CPU: keep this much KV (a size, or a share of the pool: "10%") beyond the blocks used so far resident, faulted in by an idle-priority thread; "0" = off (first writes then page-fault)
+
+    def __post_init__(self) -> None:
+        warm_ahead_bytes(self.kv_warm_ahead, 1)  # raises ValueError on a bad value
+
+
+def warm_ahead_bytes(spec: str, pool_bytes: int) -> int:
+    """engine.kv_warm_ahead in bytes, for a pool of pool_bytes."""
+    if str(spec).strip().lower() in ("0", "off"):
+        return 0
+    try:
+        return parse_memory(spec).resolve(pool_bytes)
+    except ValueError as e:
+        raise ValueError(f"engine.kv_warm_ahead: {e}") from None
 
 
 @dataclass
@@ -92,6 +107,9 @@ class Engine:
         self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)
         self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size,
                                           namespace_seed(self.namespace), on_kv_event)
+        block_bytes = self.layout.block_size * self.layout.bytes_per_token
+        self.page_warmer = PageWarmer(self.pages, warm_ahead_bytes(cfg.kv_warm_ahead, self.kv_sizing.bytes) // block_bytes)
+        self.block_manager.on_allocate = self.page_warmer.allocated
         self.scheduler = Scheduler(self.block_manager, cfg.max_batched_tokens, cfg.max_num_seqs,
                                    cfg.enable_prefix_cache, SchedulePolicy.from_config(cfg))
         self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)

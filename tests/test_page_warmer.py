@@ -1,0 +1,116 @@
+"""PageWarmer: the KV blocks the block manager hands out next are made resident ahead of need, in the
+background, without changing a byte; the window follows allocations. Residency is read with mincore(2)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.engine import Engine, EngineConfig, warm_ahead_bytes
+from shared.engine.models import load_model
+from shared.engine.page_warmer import PageWarmer
+from shared.kv_layout import KVLayout, allocate_pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_share(pages: torch.Tensor, lo: int, hi: int) -> float:
+    """Share of the 4 KiB pages of blocks [lo, hi) that are in memory."""
+    bb = pages[0].numel() * pages.element_size()
+    a, z = pages.data_ptr() + lo * bb, pages.data_ptr() + hi * bb
+    a += -a % mmap.PAGESIZE  # whole pages inside the range only
+    z -= z % mmap.PAGESIZE
+    vec = np.zeros((z - a) // mmap.PAGESIZE, dtype=np.uint8)
+    assert _libc.mincore(a, z - a, vec.ctypes.data) == 0, ctypes.get_errno()
+    return float((vec & 1).mean())
+
+
+LAYOUT = KVLayout(4, 2, 64, dtype=torch.float32)  # the tiny model's: 64 KiB per 16-token block
+
+
+def test_window_made_resident_then_follows_allocations():
+    pages = allocate_pages(LAYOUT, 512)  # 32 MiB from calloc: nothing resident yet
+    assert resident_share(pages[0], 0, 512) < 0.05
+    bm = BlockManager(512, LAYOUT.block_size)
+    warmer = PageWarmer(pages, ahead_blocks=64, step_bytes=1 << 20)
+    bm.on_allocate = warmer.allocated
+    try:
+        assert warmer.wait_idle()
+        assert resident_share(pages[0], 0, 64) == 1.0
+        assert resident_share(pages[0], 128, 512) < 0.05  # only the window, not the pool
+        bm.allocate(100)  # blocks 0..99 out: the window is now [100, 164)
+        assert warmer.wanted == 164
+        assert warmer.wait_idle()
+        assert resident_share(pages[0], 100, 164) == 1.0
+        assert resident_share(pages[0], 200, 512) < 0.05
+        assert not pages[0].any()  # no byte changed
+    finally:
+        warmer.close()
+
+
+def test_window_stops_at_the_pool_end():
+    pages = allocate_pages(LAYOUT, 64)
+    warmer = PageWarmer(pages, ahead_blocks=1000)
+    try:
+        assert warmer.ahead == 64
+        warmer.allocated([63])
+        assert warmer.wanted == 64 and warmer.wait_idle()
+        assert resident_share(pages[0], 0, 64) == 1.0
+    finally:
+        warmer.close()
+
+
+def test_off_starts_no_thread():
+    warmer = PageWarmer(allocate_pages(LAYOUT, 64), ahead_blocks=0)
+    assert warmer._thread is None
+    warmer.allocated([10])
+    assert warmer.wanted == 0
+
+
+@pytest.mark.parametrize("spec, pool, expected", [("0", 1 << 30, 0), ("off", 1 << 30, 0),
+                                                   ("512MiB", 1 << 30, 512 << 20), ("10%", 1000, 100)])
+def test_warm_ahead_bytes(spec, pool, expected):
+    assert warm_ahead_bytes(spec, pool) == expected
+
+
+def test_bad_warm_ahead_is_a_config_error():
+    with pytest.raises(ValueError, match="kv_warm_ahead"):
+        EngineConfig(kv_warm_ahead="lots")
+
+
+def test_engine_warms_ahead_of_its_scheduler():
+    """The engine wires the warmer to its block manager: a prompt's blocks move the window."""
+    engine = Engine(load_model("tiny"), EngineConfig(num_blocks=256, kv_warm_ahead="2MiB"))
+    try:
+        assert engine.page_warmer.ahead == 32
+        assert engine.page_warmer.wait_idle()
+        engine.block_manager.allocate(40)
+        assert engine.page_warmer.wanted == 72 and engine.page_warmer.wait_idle()
+        assert resident_share(engine.pages[0], 40, 72) == 1.0
+    finally:
+        engine.page_warmer.close()
+
+
+def test_dropped_engine_frees_its_pages_and_thread():
+    """The thread holds the pages weakly: dropping the warmer (an engine without close) ends it."""
+    import gc
+    import weakref
+    pages = allocate_pages(LAYOUT, 4096)
+    ref = weakref.ref(pages[0])
+    warmer = PageWarmer(pages, ahead_blocks=8)
+    thread = warmer._thread
+    assert warmer.wait_idle()
+    del warmer, pages
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert ref() is None

@@ -74,13 +74,14 @@ def chunk_bytes(model: str) -> int:
 
 class System:
     """A launched system (with block): its router client, load watcher and run dir; always stopped."""
+    extra: list[str] = []  # --set overrides, applied to every system after the bench's own
 
     def __init__(self, tag: str, model: str, overrides: list[str]):
         self.tag, self.model, self.http, self.watch = tag, model, None, None
         self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-restore-{tag}-")
         self.launcher = Launcher(load_config(UpConfig, overrides=[
             f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={self.tmp.name}", "up.ready_timeout_s=600",
-            "router.router.request_timeout_s=3600", *overrides]))
+            "router.router.request_timeout_s=3600", *overrides, *System.extra]))
         self.traces = Path(self.tmp.name) / "traces.jsonl"
 
     def __enter__(self) -> "System":
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny 2K only, fewer repeats (< 2 minutes)")
     ap.add_argument("--sizes", default=None, help="only these of the full sizes, e.g. smollm2-135m:2048,smollm2-135m:7936")
     ap.add_argument("--turns", type=int, default=None, help="turns per size (default: full 3, quick 2)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override for every system (repeatable), e.g. prefill.pool.restore_batch_chunks=2")
     ap.add_argument("--no-throughput", action="store_true", help="skip part 3 (bench/zero_hit.py measures it properly)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/restore-<time>/restore.json, "
                                                 "gitignored; pass bench/results/restore.json to update the committed one)")
@@ -350,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--sizes {args.sizes}: not all of them are in {p['sizes']}")
     if args.turns:
         p["turns"] = args.turns
+    p["set"] = System.extra = list(args.set)
     g = torch.Generator().manual_seed(SEED)
     ttft = [bench_size(model, n, k, p, g) for model, n, k in p["sizes"]]
     bad = [f"{s['model']} {s['prefix_tokens']} {c}" for s in ttft for c, v in s["cases"].items() if not v["usage_ok"]]

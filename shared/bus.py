@@ -186,11 +186,13 @@ class Bus:
             await self.nc.publish(req.reply, self._pack(msg))
 
     async def subscribe(self, subject: str, msg_type: type[Message], handler: Handler, queue: str = "",
-                        on_error: Callable[[Exception, Msg], Message | None] | None = None):
+                        on_error: Callable[[Exception, Msg], Message | None] | None = None,
+                        concurrent: bool = False):
         """Decode each message as msg_type and call handler(message, raw). A returned message is the
         reply. Malformed messages (and handler exceptions) are answered by on_error, if given;
-        malformed messages never reach the handler."""
-        async def cb(raw: Msg) -> None:
+        malformed messages never reach the handler. Messages are handled one at a time, in order,
+        unless `concurrent`: then each in its own task, so a handler that waits holds up no other."""
+        async def handle(raw: Msg) -> None:
             try:
                 msg = msg_type.decode(raw.data)
             except MessageError as e:
@@ -206,7 +208,14 @@ class Bus:
             if reply is not None:
                 await self.respond(raw, reply)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+        tasks: set[asyncio.Task] = set()
+
+        async def spawn(raw: Msg) -> None:
+            task = asyncio.create_task(handle(raw))
+            tasks.add(task)  # referenced until done
+            task.add_done_callback(tasks.discard)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=spawn if concurrent else handle)
 
     @staticmethod
     def trace_context(raw: Msg):

@@ -72,6 +72,32 @@ async def test_request_reply_round_trip(bus, other):
     assert seen == [(admit("r7"), bus.subjects.gate_admit)]
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+async def test_concurrent_handlers_do_not_wait_for_each_other(bus, other, concurrent):
+    """One handler waits on an event that only the second message sets: in order, the second waits
+    behind the first (both time out); concurrent, both are answered."""
+    release = asyncio.Event()
+
+    async def handler(msg, raw):
+        if msg.request_id == "slow":
+            await asyncio.wait_for(release.wait(), 1.0)
+        else:
+            release.set()
+        return ok_reply(msg)
+
+    await other.subscribe(other.subjects.gate_admit, AdmitRequest, handler, concurrent=concurrent)
+    await subscribed(other)
+    slow = asyncio.create_task(bus.request(bus.subjects.gate_admit, admit("slow"), AdmitReply, timeout=0.6))
+    await asyncio.sleep(0.05)
+    fast = await asyncio.gather(bus.request(bus.subjects.gate_admit, admit("fast"), AdmitReply, timeout=0.6),
+                                return_exceptions=True)
+    if concurrent:
+        assert fast[0].request_id == "fast" and (await slow).request_id == "slow"
+    else:
+        assert isinstance(fast[0], Exception)  # queued behind the waiting handler
+        assert isinstance((await asyncio.gather(slow, return_exceptions=True))[0], Exception)
+
+
 async def test_publish_subscribe(bus, other):
     got: asyncio.Queue = asyncio.Queue()
 

@@ -25,6 +25,12 @@ cancelled), is counted in `checks`, and refuses the SlotsFilled: prefill then fa
 503 and the router retries it once if the client has received nothing. `MOORAGE_FAULT_CORRUPT_LANDING=N`
 (tests only; 0 and unset = off) flips one byte of each of the first N landed pieces before that check.
 
+Short of room (no free slot, or no KV blocks yet) decode holds a SlotRequest up to GRANT_HOLD_S and
+answers as soon as slots or blocks come back (`_room`, pulsed whenever this zone frees any, and the
+engine loop's `changed`, pulsed when a step may have freed blocks): prefill then asks again at once
+instead of sleeping and polling. Grants are served concurrently (the subscription is `concurrent`), so a
+held one delays no other.
+
 Tracing: each grant and each scatter is one span (`decode.slot_grant`, `decode.scatter`: one per round
 of the handoff), a child of prefill's `kv.handoff` through the message headers.
 """
@@ -76,6 +82,7 @@ class Landing:
 
 
 _CANCELLED_MEMORY = 4096  # cancelled ids remembered, to refuse their late grants and adoptions
+GRANT_HOLD_S = 1.0  # a grant short of room waits this long for some (well below the bus's request timeout)
 
 
 class LandingZone:
@@ -90,6 +97,7 @@ class LandingZone:
         self.landings: dict[str, Landing] = {}
         self.cancelled: OrderedDict[str, None] = OrderedDict()
         self._background: set[asyncio.Task] = set()  # prefaults in flight (kept referenced until done)
+        self._room = asyncio.Event()  # set (and replaced) whenever this zone frees slots or blocks
 
     def is_cancelled(self, rid: str) -> bool:
         return rid in self.cancelled
@@ -104,6 +112,33 @@ class LandingZone:
             return reply
 
     async def _grant(self, msg: SlotRequest) -> SlotGrant:
+        """Grants what it can; when that is nothing, waits for room (up to GRANT_HOLD_S) and tries again."""
+        deadline = time.monotonic() + GRANT_HOLD_S
+        while True:
+            reply = await self._try_grant(msg)
+            remaining = deadline - time.monotonic()
+            if reply.slots or reply.fatal or msg.max_slots <= 0 or remaining <= 0:
+                return reply
+            await self._wait_for_room(remaining, blocks=msg.request_id not in self.landings)
+
+    def _freed(self) -> None:
+        """Slots or blocks came back: wake the grants waiting for room."""
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def _wait_for_room(self, timeout: float, blocks: bool) -> None:
+        """Until this zone frees slots or blocks, or (`blocks`: short of KV blocks) the engine may have
+        freed some, or timeout."""
+        waits = [asyncio.ensure_future(self._room.wait())]
+        if blocks:
+            waits.append(asyncio.ensure_future(self.loop.changed(timeout)))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _try_grant(self, msg: SlotRequest) -> SlotGrant:
         rid = msg.request_id
         if rid in self.cancelled:
             return SlotGrant(rid, error="request cancelled", fatal=True)
@@ -158,7 +193,8 @@ class LandingZone:
         rid = msg.request_id
         landing = self.landings.get(rid)
         if landing is None:
-            self.slots.release_owner(rid)
+            if self.slots.release_owner(rid):
+                self._freed()
             return Ack(rid, False, "unknown or cancelled request")
         t, timing = time.perf_counter(), {"verify_ms": 0.0}
         try:
@@ -188,8 +224,9 @@ class LandingZone:
         except ValueError as e:
             return Ack(rid, False, str(e))
         finally:
-            self.slots.release([p[0] for p in msg.pieces if isinstance(p, (list, tuple)) and p and type(p[0]) is int],
-                               owner=rid)
+            if self.slots.release([p[0] for p in msg.pieces if isinstance(p, (list, tuple)) and p and type(p[0]) is int],
+                                  owner=rid):
+                self._freed()
         landing.last_activity = time.monotonic()
         return Ack(rid, True, stats={"scatter_ms": (time.perf_counter() - t) * 1e3, **timing})
 
@@ -266,7 +303,8 @@ class LandingZone:
             raise KeyError(rid)
         if landing.received_bytes != landing.total_bytes:
             raise ValueError(f"incomplete KV: {landing.received_bytes} of {landing.total_bytes} bytes landed")
-        self.slots.release_owner(rid)
+        if self.slots.release_owner(rid):
+            self._freed()
         return self.landings.pop(rid)
 
     async def drop(self, rid: str) -> bool:
@@ -275,7 +313,8 @@ class LandingZone:
         self.cancelled[rid] = None
         while len(self.cancelled) > _CANCELLED_MEMORY:
             self.cancelled.popitem(last=False)
-        self.slots.release_owner(rid)
+        if self.slots.release_owner(rid):
+            self._freed()
         landing = self.landings.pop(rid, None)
         if landing is not None:
             landing.dropped = True
@@ -287,6 +326,7 @@ class LandingZone:
         if landing.scattering == 0 and landing.blocks:
             blocks, landing.blocks = landing.blocks, []
             await self.loop.call(lambda: self.engine.block_manager.release(blocks))
+            self._freed()
 
     async def expire(self, timeout_s: float) -> list[str]:
         now = time.monotonic()

@@ -174,8 +174,8 @@ async def serve(ctx: ServiceContext) -> None:
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults))
     svc.loop.start()
     s = ctx.bus.subjects
-    await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,
-                            on_error=lambda e, raw: SlotGrant("", error=str(e), fatal=True))
+    await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room
+                            on_error=lambda e, raw: SlotGrant("", error=str(e), fatal=True), concurrent=True)
     await ctx.bus.subscribe(s.decode_filled(ctx.instance), SlotsFilled, svc.zone.filled,
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,

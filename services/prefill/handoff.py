@@ -291,8 +291,8 @@ class HandoffSender:
                 raise HandoffFailed(grant.error or "decode granted no landing slots in time")
             if run.acks:  # our own earlier round holds the credits: wait for it
                 self._check_filled(await run.acks.pop(0), run.stats)
-            else:
-                await asyncio.sleep(0.02)  # decode is short of slots or KV: credits come back soon
+            # else decode is short of slots or KV: it held the request until room came back or its hold
+            # time passed (services/decode/landing.py), so asking again at once is not a busy loop
 
     async def _write(self, run: _Run, batch: list[_Gathered], last: bool) -> None:
         """One batched Transfer Engine write of `batch` into as many credits, then its SlotsFilled."""

@@ -10,31 +10,17 @@ block comes back. These are the leaks a client disconnect used to leave behind.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
-
 import pytest
 
 from services.decode.landing import LandingZone
-from services.decode.main import DecodeService
 from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import checksum
-from shared.logging import get_logger
 from shared.messages import Cancel, HandoffDone, PrefillSubmit, SlotRequest, SlotsFilled
-from shared.transfer import LandingSlots
+from tests.decode_zone import running_decode, service_ctx
 
 NUM_BLOCKS = 32
-
-
-def _ctx(role: str):
-    bus = SimpleNamespace(trace_context=lambda raw: None, published=[])
-
-    async def publish(subject, msg):
-        bus.published.append((subject, msg))
-
-    bus.publish = publish
-    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
 
 
 @pytest.fixture
@@ -44,13 +30,8 @@ def engine(tiny):
 
 @pytest.fixture
 async def decode(engine):
-    slots = LandingSlots(4, 1 << 20)
-    svc = DecodeService(_ctx("decode"), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
-    svc.loop.start()
-    yield svc
-    await svc.loop.stop()
-    engine.block_manager.check_integrity()
-    assert slots.num_free == 4
+    async with running_decode(engine) as svc:
+        yield svc
 
 
 def _slot_request(zone: LandingZone, rid: str, num_tokens: int) -> SlotRequest:
@@ -111,7 +92,7 @@ async def test_cancel_during_adoption_aborts_the_adopted_request(decode, engine,
 
 
 async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
-    svc = PrefillService(_ctx("prefill"), engine, sender=None)
+    svc = PrefillService(service_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("prefill me and hand me off " * 3)
     seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
     svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None, seq)
@@ -129,7 +110,7 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
 
 
 async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, tiny):
-    svc = PrefillService(_ctx("prefill"), engine, sender=None)
+    svc = PrefillService(service_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("cancel me before I run " * 3)
     svc.pending["r1"] = p = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None)
     svc.loop.start()

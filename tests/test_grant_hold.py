@@ -11,11 +11,9 @@ import pytest
 
 from services.decode import landing
 from services.decode.landing import LandingZone
-from services.decode.main import DecodeService
 from shared.engine.engine import Engine, EngineConfig
 from shared.messages import SlotRequest
-from shared.transfer import LandingSlots
-from tests.test_cancel_races import _ctx
+from tests.decode_zone import running_decode
 
 NUM_BLOCKS = 16  # 256 tokens
 
@@ -23,14 +21,8 @@ NUM_BLOCKS = 16  # 256 tokens
 @pytest.fixture
 async def decode(tiny, monkeypatch):
     monkeypatch.setattr(landing, "GRANT_HOLD_S", 2.0)
-    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
-    slots = LandingSlots(1, 1 << 20)
-    svc = DecodeService(_ctx("decode"), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
-    svc.loop.start()
-    yield svc
-    await svc.loop.stop()
-    engine.block_manager.check_integrity()
-    assert slots.num_free == 1
+    async with running_decode(Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS)), num_slots=1) as svc:
+        yield svc
 
 
 def _req(zone: LandingZone, rid: str, tokens: int) -> SlotRequest:

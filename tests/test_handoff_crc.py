@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
-from types import SimpleNamespace
 
 import crc32c
 import httpx
@@ -28,15 +27,14 @@ import pytest
 import torch
 
 from services.decode.landing import LandingZone
-from services.decode.main import DecodeService
-from services.prefill.handoff import HandoffFailed, HandoffSender
+from services.prefill.handoff import HandoffFailed
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import (FAULT_ENV, MISMATCH, UNVERIFIED, HandoffChecks, LandingFaults, Piece,
                                   Unverified, checksum, parse, to_wire, verify)
-from shared.logging import get_logger
-from shared.messages import HandoffDone, SlotRequest, SlotsFilled, TokenChunk
-from shared.transfer import KVTransport, LandingSlots, TransferConfig
+from shared.messages import HandoffDone, SlotRequest, SlotsFilled
+from shared.transfer import KVTransport, TransferConfig
+from tests.decode_zone import collect_chunks, handoff_pair, running_decode
 
 NUM_BLOCKS = 32
 
@@ -119,17 +117,6 @@ def test_slots_filled_carries_crcs_and_an_older_message_still_decodes():
 # ---------------------------------------------------------------- LandingZone, real tiny engine
 
 
-def _ctx(role: str, bus=None):
-    if bus is None:
-        bus = SimpleNamespace(trace_context=lambda raw: None, published=[])
-
-        async def publish(subject, msg):
-            bus.published.append((subject, msg))
-
-        bus.publish = publish
-    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
-
-
 @pytest.fixture
 def engine(tiny):
     return Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
@@ -137,14 +124,8 @@ def engine(tiny):
 
 @pytest.fixture
 async def decode(engine):
-    slots = LandingSlots(4, 1 << 20)
-    svc = DecodeService(_ctx("decode"), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
-    svc.loop.start()
-    yield svc
-    await svc.loop.stop()
-    engine.block_manager.check_integrity()
-    slots.check_integrity()
-    assert slots.num_free == 4
+    async with running_decode(engine) as svc:
+        yield svc
 
 
 def _fill(zone: LandingZone, slot_id: int, nbytes: int, seed: int) -> torch.Tensor:
@@ -203,7 +184,6 @@ async def test_slots_filled_without_checksums_is_refused(decode, engine):
 
 
 async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cleanly(tiny, monkeypatch):
-    from shared.bus import Bus, BusConfig
     from tests.natsbus import nats_url
 
     prompt = tiny.tokenizer.encode("def checksum(data):\n    crc = 0\n    for byte in data:\n" * 3)
@@ -216,84 +196,58 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
     cfg = TransferConfig(slot_bytes=slot_bytes, slots=4, max_slots_per_round=2, timeout_s=20)
     assert len(prompt) > 2 * 2 * layout.block_size  # more than one round
     with nats_url() as url:
-        p_bus = await Bus.connect(BusConfig(url=url), "test-prefill")
-        d_bus = await Bus.connect(BusConfig(url=url), "test-decode")
-        p_te, d_te, rogue = KVTransport(), KVTransport(), KVTransport()
-        slots = LandingSlots(cfg.slots, slot_bytes, d_te)
-        decode = DecodeService(_ctx("decode", d_bus), d_engine,
-                               lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint))
-        decode.loop.start()
-        s = d_bus.subjects
-        await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant)
-        await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
-        await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
-        await d_bus.nc.flush()
-        await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
-        sender = HandoffSender(p_bus, "prefill-0", layout, p_engine.pages, p_te, cfg)
+        async with handoff_pair(url, p_engine, d_engine, cfg) as h:
+            p_bus, p_te, decode, sender, rogue = h.p_bus, h.p_te, h.decode, h.sender, KVTransport()
+            flip = torch.zeros(1, dtype=torch.uint8)  # the rogue engine's registered source byte
+            rogue.register(flip)
+            real_write, corrupted, written = p_te.write, [], []
 
-        flip = torch.zeros(1, dtype=torch.uint8)  # the rogue engine's registered source byte
-        rogue.register(flip)
-        real_write, corrupted, written = p_te.write, [], []
+            def write_then_corrupt(peer, src, dst, lens):
+                real_write(peer, src, dst, lens)
+                for j in range(len(lens)):  # the handoff's second piece, after prefill wrote it, before decode checks
+                    if len(written) == 1 and not corrupted:
+                        k = lens[j] // 3
+                        flip[0] = ctypes.string_at(src[j] + k, 1)[0] ^ 0xFF
+                        rogue.write(peer, [flip.data_ptr()], [dst[j] + k], [1])
+                        corrupted.append(dst[j] + k)
+                    written.append(dst[j])
 
-        def write_then_corrupt(peer, src, dst, lens):
-            real_write(peer, src, dst, lens)
-            for j in range(len(lens)):  # the handoff's second piece, after prefill wrote it, before decode checks
-                if len(written) == 1 and not corrupted:
-                    k = lens[j] // 3
-                    flip[0] = ctypes.string_at(src[j] + k, 1)[0] ^ 0xFF
-                    rogue.write(peer, [flip.data_ptr()], [dst[j] + k], [1])
-                    corrupted.append(dst[j] + k)
-                written.append(dst[j])
+            monkeypatch.setattr(p_te, "write", write_then_corrupt)
+            try:
+                async def prefill(rid: str) -> tuple[list[int], HandoffDone]:
+                    seq = p_engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
+                    while not p_engine.step():
+                        pass
+                    done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, params.to_dict(),
+                                       {"device": 0, "store": 0, "computed": len(prompt)})
+                    return list(seq.block_table), done
 
-        monkeypatch.setattr(p_te, "write", write_then_corrupt)
-        try:
-            async def prefill(rid: str) -> tuple[list[int], HandoffDone]:
-                seq = p_engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
-                while not p_engine.step():
-                    pass
-                done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, params.to_dict(),
-                                   {"device": 0, "store": 0, "computed": len(prompt)})
-                return list(seq.block_table), done
+                table, done = await prefill("bad")
+                with pytest.raises(HandoffFailed, match="checksum mismatch"):
+                    await sender.send("decode-0", "bad", table, len(prompt), done)
+                p_engine.block_manager.release(reversed(table))
+                assert corrupted and decode.zone.checks.failures == 1
+                await asyncio.sleep(0.2)  # a straggling ack of the pipelined round, if any, lands first
+                report = decode.load_report().detail
+                assert report["handoff_crc_failures"] == 1 and report["landing"] == 0
+                assert report["free_slots"] == cfg.slots and not decode.active
+                assert await decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
 
-            table, done = await prefill("bad")
-            with pytest.raises(HandoffFailed, match="checksum mismatch"):
-                await sender.send("decode-0", "bad", table, len(prompt), done)
-            p_engine.block_manager.release(reversed(table))
-            assert corrupted and decode.zone.checks.failures == 1
-            await asyncio.sleep(0.2)  # a straggling ack of the pipelined round, if any, lands first
-            report = decode.load_report().detail
-            assert report["handoff_crc_failures"] == 1 and report["landing"] == 0
-            assert report["free_slots"] == cfg.slots and not decode.active
-            assert await decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
-
-            chunks: list[TokenChunk] = []
-            finished = asyncio.Event()
-
-            async def on_chunk(chunk: TokenChunk, _raw) -> None:
-                chunks.append(chunk)
-                if chunk.finished:
-                    finished.set()
-
-            await p_bus.subscribe(p_bus.subjects.request_out("good"), TokenChunk, on_chunk)
-            table, done = await prefill("good")
-            stats = await sender.send("decode-0", "good", table, len(prompt), done)
-            p_engine.block_manager.release(reversed(table))
-            assert stats.writes == -(-len(prompt) * layout.bytes_per_token // slot_bytes) and stats.crc_ms > 0
-            await asyncio.wait_for(finished.wait(), 30)
-            got = done.output_ids + [t for c in chunks for t in c.token_ids]
-            assert got == want.output_ids and not any(c.error for c in chunks)
-            # the bad handoff's first piece passed its check (scattered, then freed with the rest) unless the
-            # refusal of the second (its own SlotsFilled, pipelined) dropped the landing first
-            checks = decode.zone.checks
-            assert checks.failures == 1 and checks.unverified == 0
-            assert stats.writes <= checks.verified <= stats.writes + 1
-        finally:
-            await decode.stop()
-            slots.close()
-            await p_bus.close()
-            await d_bus.close()
-            for te in (p_te, d_te, rogue):
-                te.close()
+                chunks, finished = await collect_chunks(p_bus, "good")
+                table, done = await prefill("good")
+                stats = await sender.send("decode-0", "good", table, len(prompt), done)
+                p_engine.block_manager.release(reversed(table))
+                assert stats.writes == -(-len(prompt) * layout.bytes_per_token // slot_bytes) and stats.crc_ms > 0
+                await asyncio.wait_for(finished.wait(), 30)
+                got = done.output_ids + [t for c in chunks for t in c.token_ids]
+                assert got == want.output_ids and not any(c.error for c in chunks)
+                # the bad handoff's first piece passed its check (scattered, then freed with the rest) unless the
+                # refusal of the second (its own SlotsFilled, pipelined) dropped the landing first
+                checks = decode.zone.checks
+                assert checks.failures == 1 and checks.unverified == 0
+                assert stats.writes <= checks.verified <= stats.writes + 1
+            finally:
+                rogue.close()
 
 
 # ---------------------------------------------------------------- the whole system

@@ -19,14 +19,12 @@ import torch
 
 from kernels.reference import gather_for_ranks
 from services.decode.landing import LandingZone
-from services.decode.main import DecodeService
-from services.prefill.handoff import HandoffSender
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import checksum
-from shared.logging import get_logger
-from shared.messages import HandoffDone, SlotRequest, SlotsFilled, TokenChunk
-from shared.transfer import KVTransport, LandingSlots, TransferConfig
+from shared.messages import HandoffDone, SlotRequest, SlotsFilled
+from shared.transfer import TransferConfig
+from tests.decode_zone import collect_chunks, handoff_pair, running_decode
 
 NUM_BLOCKS = 32
 
@@ -45,10 +43,6 @@ def _snapshot_on_take(zone: LandingZone, num_tokens: int) -> list[torch.Tensor]:
     return taken
 
 
-def _ctx(role: str, bus):
-    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
-
-
 def _slot_sizes(token_bytes: int, block: int) -> dict[str, int]:
     return {"whole blocks": 2 * block * token_bytes, "block minus a byte": block * token_bytes - 1,
             "tokens and bytes": 5 * token_bytes + 123, "under a token": token_bytes // 3 + 5}
@@ -56,7 +50,6 @@ def _slot_sizes(token_bytes: int, block: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("case", ["whole blocks", "block minus a byte", "tokens and bytes", "under a token"])
 async def test_slot_sized_windows_land_exactly(tiny, case):
-    from shared.bus import Bus, BusConfig
     from tests.natsbus import nats_url
 
     prompt = tiny.tokenizer.encode("windows cut anywhere: " * 4)
@@ -68,30 +61,9 @@ async def test_slot_sized_windows_land_exactly(tiny, case):
     total = len(prompt) * layout.bytes_per_token
     cfg = TransferConfig(slot_bytes=slot_bytes, slots=6, max_slots_per_round=3, timeout_s=30)
     with nats_url() as url:
-        p_bus = await Bus.connect(BusConfig(url=url), "test-prefill")
-        d_bus = await Bus.connect(BusConfig(url=url), "test-decode")
-        p_te, d_te = KVTransport(), KVTransport()
-        slots = LandingSlots(cfg.slots, slot_bytes, d_te)
-        decode = DecodeService(_ctx("decode", d_bus), d_engine,
-                               lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint))
-        decode.loop.start()
-        s = d_bus.subjects
-        await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant)
-        await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
-        await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
-        await d_bus.nc.flush()
-        await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
-        sender = HandoffSender(p_bus, "prefill-0", layout, p_engine.pages, p_te, cfg)
-        try:
-            chunks: list[TokenChunk] = []
-            finished = asyncio.Event()
-
-            async def on_chunk(chunk: TokenChunk, _raw) -> None:
-                chunks.append(chunk)
-                if chunk.finished:
-                    finished.set()
-
-            await p_bus.subscribe(p_bus.subjects.request_out("r1"), TokenChunk, on_chunk)
+        async with handoff_pair(url, p_engine, d_engine, cfg) as h:
+            p_bus, decode, slots, sender = h.p_bus, h.decode, h.slots, h.sender
+            chunks, finished = await collect_chunks(p_bus, "r1")
             seq = p_engine.add_request("r1", prompt, params, prefill_only=True, retain_kv=True)
             while not p_engine.step():
                 pass
@@ -109,13 +81,6 @@ async def test_slot_sized_windows_land_exactly(tiny, case):
             assert got_ids == want.output_ids and not any(c.error for c in chunks)
             assert decode.zone.checks.verified == stats.writes and decode.zone.checks.failures == 0
             assert not decode.zone.landings and slots.num_free == cfg.slots
-        finally:
-            await decode.stop()
-            slots.close()
-            await p_bus.close()
-            await d_bus.close()
-            for te in (p_te, d_te):
-                te.close()
 
 
 # ---------------------------------------------------------------- LandingZone alone
@@ -123,15 +88,8 @@ async def test_slot_sized_windows_land_exactly(tiny, case):
 
 @pytest.fixture
 async def decode(tiny):
-    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
-    slots = LandingSlots(4, 1 << 18)
-    bus = SimpleNamespace(trace_context=lambda raw: None)
-    svc = DecodeService(_ctx("decode", bus), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
-    svc.loop.start()
-    yield svc
-    await svc.loop.stop()
-    engine.block_manager.check_integrity()
-    slots.check_integrity()
+    async with running_decode(Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS)), slot_bytes=1 << 18) as svc:
+        yield svc
 
 
 def _piece(zone: LandingZone, slot_id: int, offset: int, data: torch.Tensor) -> SlotsFilled:

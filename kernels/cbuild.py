@@ -60,8 +60,10 @@ class CKernel:
     base_flags: list[str] = field(default_factory=lambda: ["-O3", "-fno-math-errno", "-fPIC", "-shared"])
     libs: list[str] = field(default_factory=list)  # e.g. ["-lm"], after the source
     what: str = "CPU kernel"       # for messages
+    more: dict[str, list] = field(default_factory=dict)  # further symbols of the same library: name -> argtypes
     flags: str = ""                # the flags the loaded build used
     _fn: object = None
+    _fns: dict = field(default_factory=dict)  # the `more` functions, once loaded
     _error: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -96,6 +98,7 @@ class CKernel:
         """Forget the loaded function (or the failure): the next load() looks again (tests)."""
         with self._lock:
             self._fn, self._error, self.flags = None, None, ""
+            self._fns = {}
 
     def available(self) -> bool:
         try:
@@ -114,6 +117,14 @@ class CKernel:
             raise RuntimeError(f"{self.what} unavailable: {self._error}")
         return self._fn
 
+    def symbol_fn(self, name: str):
+        """One of the `more` functions (loading the library if needed); RuntimeError when unavailable."""
+        fn = self._fns.get(name)
+        if fn is None:
+            self.load()
+            fn = self._fns[name]
+        return fn
+
     def _try_builds(self) -> None:
         errors, cc = [], compiler()
         if cc is None:
@@ -121,9 +132,13 @@ class CKernel:
         for extra in self.flag_sets if cc else ():
             flags = self.base_flags + extra
             try:
-                fn = getattr(ctypes.CDLL(str(self.build(cc, flags))), self.symbol)
-                fn.restype, fn.argtypes = ctypes.c_int, self.argtypes
-                self._fn, self.flags = fn, " ".join(flags)
+                lib = ctypes.CDLL(str(self.build(cc, flags)))
+                fns = {}
+                for name, argtypes in [(self.symbol, self.argtypes), *self.more.items()]:
+                    fns[name] = getattr(lib, name)
+                    fns[name].restype, fns[name].argtypes = ctypes.c_int, argtypes
+                self._fns = {k: v for k, v in fns.items() if k != self.symbol}
+                self._fn, self.flags = fns[self.symbol], " ".join(flags)
                 return
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 errors.append(str(e))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_kv, get_kv_kernels
+from kernels import cbuild, cpu_kv, get_kv_kernels
 from kernels import reference as ref
 from kernels.reference import rank_num_tokens
 from shared.kv_layout import KVLayout, allocate_pages
@@ -279,3 +279,119 @@ def test_dispatch_unavailable_backend_is_never_imported(monkeypatch):
         assert "triton" not in sys.modules and "aiter" not in sys.modules
     finally:
         kernels._REGISTRY.pop("fake")
+
+
+# --- the C backend's own paths: merged runs, thread split, id forms, checks before writing ---
+
+# (MIN_SPLIT_BYTES, STREAM_BYTES): all threads, streaming stores / all threads, plain stores / one thread, streaming
+KNOBS = [(0, 0), (0, 1 << 62), (1 << 62, 0)]
+
+
+def _knobs(monkeypatch, knobs: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # several threads on any host
+    monkeypatch.setattr(cpu_kv, "MIN_SPLIT_BYTES", knobs[0])
+    monkeypatch.setattr(cpu_kv, "STREAM_BYTES", knobs[1])
+
+
+@needs_cpu
+@pytest.mark.parametrize("knobs", KNOBS, ids=["stream", "threads", "one-thread"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8, 9], [3, 4, 9, 10, 11, 0, 1, 20], [7], [2, 1, 0], [4, 5, 5, 6]],
+                         ids=["one-run", "runs", "single", "descending", "repeat"])
+def test_cpu_pack_unpack_runs_and_threads_equal_reference(monkeypatch, knobs, dtype, ids):
+    """Runs of consecutive ids are one copy, threads split the bytes anywhere (mid-block, mid-run):
+    byte for byte the reference, and unpack leaves other blocks alone."""
+    _knobs(monkeypatch, knobs)
+    layout = KVLayout(num_layers=3, num_kv_heads=3, head_dim=5, dtype=dtype)  # odd sizes: splits fall mid-row
+    (pages,) = _random_pages(layout, 24, seed=len(ids))
+    got = cpu_kv.pack_chunk(pages, torch.tensor(ids))
+    assert torch.equal(got, ref.pack_chunk(pages, ids))
+    if len(set(ids)) == len(ids):
+        a, b = _poison(pages.shape, dtype), _poison(pages.shape, dtype)
+        ref.unpack_chunk(got, a, ids)
+        cpu_kv.unpack_chunk(got.flatten(), b, ids)
+        assert torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
+
+
+@needs_cpu
+@pytest.mark.parametrize("knobs", KNOBS, ids=["stream", "threads", "one-thread"])
+@pytest.mark.parametrize("cp,first,end", [(1, 0, 100), (3, 17, 100), (4, 5, 64), (2, 31, 33)])
+def test_cpu_gather_scatter_threads_equal_reference(monkeypatch, knobs, cp, first, end):
+    """Every rank in one call, threads over blocks or not, streaming stores or not (rows of 288 bytes: a
+    streamed middle and a plain tail): the reference's bytes, and a scatter writes exactly its slots."""
+    _knobs(monkeypatch, knobs)
+    layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=36, stages=2)
+    pages = _random_pages(layout, 12, seed=end)
+    table = torch.randperm(12)[:7]
+    want = ref.gather_for_ranks(pages, table, end, cp, layout, first=first)
+    got = cpu_kv.gather_for_ranks(pages, table, end, cp, layout, first=first)
+    assert len(got) == cp and all(torch.equal(a, b) for a, b in zip(want, got))
+    (a,) = allocate_pages(KVLayout(5, 2, 36), 12)
+    a.fill_(float("nan"))
+    b = a.clone()
+    ref.scatter_from_rank(want[0], a, table, want[0].shape[0], first)
+    cpu_kv.scatter_from_rank(want[0], b, table, want[0].shape[0], first)
+    assert torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
+
+
+@needs_cpu
+@pytest.mark.parametrize("form", ["list", "int32", "strided", "tuple", "range", "numpy-ints"])
+def test_cpu_block_id_forms(form):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    (pages,) = _random_pages(layout, 30)
+    base = [4, 9, 10, 11, 2]
+    ids = {"list": base, "int32": torch.tensor(base, dtype=torch.int32), "tuple": tuple(base),
+           "strided": torch.tensor([x for b in base for x in (b, -1)])[::2], "range": range(3, 8),
+           "numpy-ints": [__import__("numpy").int64(b) for b in base]}[form]
+    want = pages[torch.tensor(list(ids), dtype=torch.long)]
+    assert torch.equal(cpu_kv.pack_chunk(pages, ids), want)
+    (dst,) = allocate_pages(layout, 30)
+    cpu_kv.unpack_chunk(want, dst, ids)
+    assert torch.equal(dst[torch.tensor(list(ids), dtype=torch.long)], want)
+    table = ids
+    n = 16 * len(base) - 3
+    assert torch.equal(cpu_kv.gather_for_ranks([pages], table, n, 1, layout)[0],
+                       ref.gather_for_ranks([pages], list(ids), n, 1, layout)[0])
+
+
+@needs_cpu
+def test_cpu_bad_ids_raise_the_reference_error_before_writing():
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    (pages,) = _random_pages(layout, 8)
+    before = pages.clone()
+    buf = torch.ones(3 * pages[0].numel())
+    for bad, match in (([1, 2, 8], "out of range"), ([3, -1, 4], "out of range"), ([1, 5, 1], "duplicate")):
+        with pytest.raises(ValueError, match=match):
+            cpu_kv.unpack_chunk(buf, pages, bad)
+        with pytest.raises(ValueError, match=match):
+            cpu_kv.scatter_from_rank(buf, pages, bad, 48)  # 48 tokens: three table entries
+    assert torch.equal(pages, before)
+    with pytest.raises(ValueError, match="integer"):
+        cpu_kv.pack_chunk(pages, torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kv.gather_for_ranks([pages], [0, 9], 20, 2, layout)
+    assert torch.equal(cpu_kv.pack_chunk(pages, [1.0, 2.0]), pages[[1, 2]])  # as the reference: truncated
+
+
+@needs_cpu
+def test_cpu_functions_reload_after_reset_and_fall_back_without_a_compiler(tmp_path, monkeypatch):
+    """Both C entry points come from one library (cbuild's `more` symbols): after a reset they load
+    again; with no compiler and an empty cache the module's functions still answer, through the reference."""
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    (pages,) = _random_pages(layout, 6)
+    try:
+        cpu_kv.KERNEL.reset()
+        assert torch.equal(cpu_kv.pack_chunk(pages, [4, 1]), pages[[4, 1]])  # moorage_kv_blocks, reloaded
+        cpu_kv.KERNEL.reset()
+        monkeypatch.setenv("CC", "no-such-compiler")
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+        monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+        assert not cpu_kv.available()
+        assert torch.equal(cpu_kv.pack_chunk(pages, [4, 1]), pages[[4, 1]])
+        (dst,) = allocate_pages(layout, 6)
+        cpu_kv.scatter_from_rank(ref.gather_for_ranks([pages], [2, 0], 20, 1, layout)[0], dst, [2, 0], 20)
+        assert torch.equal(dst[2], pages[2]) and torch.equal(dst[0, :, :, :4], pages[0, :, :, :4])
+    finally:
+        monkeypatch.undo()
+        cpu_kv.KERNEL.reset()  # the next use loads the default cache's build again
+    assert cpu_kv.available()

@@ -14,7 +14,7 @@ here against the same FastAPI app, httpx's own work is ~1.1-1.3 ms per request a
 above a bare socket, which would otherwise count as the router's overhead.
 
 The breakdown of (a) comes from each request's trace: the `router.request` span's stage events
-(prepared, routed, admitted, subscribed, acked, first_chunk, finishing), the `gate.admit` span and the
+(prepared, routed, admitted, subscribed, acked, first_chunk, responding), the `gate.admit` span and the
 prefill's spans, on the one machine clock (time.time_ns), plus the client's own send / receive times.
 (b) is timed by the client at the same points (subscribed, acked, final chunk). Every stage is reported
 as its median and p90 over requests; "overhead" rows are (a) - (b) of the p50s and the per-iteration
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -53,15 +55,16 @@ ROUTER_STAGES = (
     ("prepare: body, pydantic, tokenize, checks", "span_start", "prepared"),
     ("route: Dispatch, prefill pick", "prepared", "routed"),
     ("admit: router -> gate (bus)", "routed", "gate_start"),
-    ("admit: gate handler (gate.admit span)", "gate_start", "gate_end"),
+    ("admit: gate handler, up to its reply (gate.admit span)", "gate_start", "gate_end"),
     ("admit: gate -> router reply", "gate_end", "admitted"),
     ("subscribe token subject", "admitted", "subscribed"),
     ("submit + Ack round trip", "subscribed", "acked"),
     ("Ack -> first chunk (prefill work + relay)", "acked", "first_chunk"),
-    ("collect + shape body", "first_chunk", "finishing"),
-    ("close: unsubscribe, Release, metrics, span", "finishing", "span_end"),
-    ("http out: response -> client", "span_end", "client_recv"),
+    ("collect + shape body", "first_chunk", "responding"),
+    ("http out: response -> client", "responding", "client_recv"),
 )
+# After the response went out (off the request's latency, not in the sum): unsubscribe, Release, metrics, span end.
+AFTER_STAGES = (("after the response: unsubscribe, Release, metrics, span end, log", "responding", "span_end"),)
 DIRECT_STAGES = (
     ("subscribe token subject", "client_send", "subscribed"),
     ("submit + Ack round trip", "subscribed", "acked"),
@@ -198,13 +201,16 @@ def wait_router_spans(path: Path, rids: set[str], timeout: float = 30.0) -> dict
 def breakdown(over: dict, traces: Path) -> dict:
     """Per-stage p50 / p90 (ms) of the router path (from its traces) and of the direct path."""
     spans = wait_router_spans(traces, {m["rid"] for m in over["router_marks"]})
-    rows: dict[str, list[float]] = {name: [] for name, _, _ in ROUTER_STAGES}
+    rows: dict[str, list[float]] = {name: [] for name, _, _ in ROUTER_STAGES + AFTER_STAGES}
     for m in over["router_marks"]:
         sp = spans[m["rid"]]
         marks = {**m, "span_start": sp["router"]["start_ns"], "span_end": sp["router"]["end_ns"],
-                 "gate_start": sp["gate"]["start_ns"], "gate_end": sp["gate"]["end_ns"],
+                 "gate_start": sp["gate"]["start_ns"],
+                 "gate_end": next((e["time_ns"] for e in sp["gate"]["events"] if e["name"] == "replied"),
+                                  sp["gate"]["end_ns"]),
                  **{e["name"]: e["time_ns"] for e in sp["router"]["events"]}}
-        for name, a, b in ROUTER_STAGES:
+        marks.setdefault("responding", marks["span_end"])  # a router that answered after ending its span
+        for name, a, b in ROUTER_STAGES + AFTER_STAGES:
             rows[name].append((marks[b] - marks[a]) / 1e6)
     direct = {name: [(m[b] - m[a]) / 1e6 for m in over["direct_marks"]] for name, a, b in DIRECT_STAGES}
 
@@ -213,6 +219,34 @@ def breakdown(over: dict, traces: Path) -> dict:
                 "mean_ms": float(np.mean(xs))}
 
     return {"router": {k: stats(v) for k, v in rows.items()}, "direct": {k: stats(v) for k, v in direct.items()}}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each process (gone: left out)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """ms of CPU per measured iteration (one (a), one (b), one (c)) of each process."""
+    return {k: (after[k] - before[k]) * 1e3 / n for k in before if k in after}
+
+
+def settle(pids: dict[str, int], quiet_ms_per_s: float = 50.0, window_s: float = 0.5, timeout_s: float = 60.0) -> None:
+    """Wait until the services are quiet: prefill and decode keep warming up for a few seconds after they
+    report ready (~0.4 s of CPU per second each, measured), which would load the first measured requests."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        a = cpu_seconds(pids)
+        time.sleep(window_s)
+        busy = sum(cpu_per_request(a, cpu_seconds(pids), window_s).values())
+        if busy < quiet_ms_per_s:
+            return
+    log(f"the system did not go quiet within {timeout_s:.0f} s")
 
 
 def run(model: str, p: dict) -> dict:
@@ -226,7 +260,18 @@ def run(model: str, p: dict) -> dict:
             launcher.wait_ready(base)
             log(f"{model}: system ready at {base}")
             vocab = load_tokenizer(model)[0].vocab_size
+            pids = {k: v.pid for k, v in launcher.procs.items()}
+            if launcher.nats is not None and getattr(launcher.nats, "process", None) is not None:
+                pids["nats-server"] = launcher.nats.process.pid
+            settle(pids)
+            pids["bench"] = os.getpid()
+            idle0 = cpu_seconds(pids)
+            time.sleep(2.0)  # what the system burns with no request at all
+            cpu0 = cpu_seconds(pids)
             over = asyncio.run(bench_overhead(base, launcher.nats.url, model, vocab, p, g))
+            cpu1 = cpu_seconds(pids)
+            over["cpu_ms_per_iteration"] = cpu_per_request(cpu0, cpu1, p["overhead_warm"] + p["overhead_n"])
+            over["idle_cpu_ms_per_s"] = cpu_per_request(idle0, cpu0, 2)
             over["breakdown"] = breakdown(over, launcher.run_dir / "traces.jsonl")
             return over
         finally:
@@ -246,6 +291,10 @@ def table(o: dict) -> str:
                    o["overhead_p99_ms"], ""],
                   ["overhead, paired per-iteration a - b", o["n"], o["paired_diff"]["p50_ms"],
                    o["paired_diff"].get("p90_ms", ""), o["paired_diff"]["p99_ms"], o["paired_diff"]["mean_ms"]]])
+    if o.get("cpu_ms_per_iteration"):
+        cpu, idle = o["cpu_ms_per_iteration"], o.get("idle_cpu_ms_per_s", {})
+        t += ("\n\nCPU per process (/proc user+system): ms per iteration of (a)+(b)+(c), and ms per second idle "
+              "before:\n\n") + md_table(["process", "ms / iteration", "idle ms / s"], [[k, v, idle.get(k, "")] for k, v in cpu.items()])
     b = o.get("breakdown")
     if not b:
         return t

@@ -1,8 +1,9 @@
 """The gate service: `Admission` (admission.py) wired to the bus.
 
 - `moorage.gate.admit` (queue group "gate"): AdmitRequest -> AdmitReply, answered in the handler when the
-  request fits now (the reply is sent before the span ends and the decision is logged). A request that has
-  to wait keeps its NATS message here and is answered later by the tick loop, so the subscription never blocks.
+  request fits now: the reply goes first; the `gate.admit` span (started when the admit arrived, with a
+  `replied` event) and the decision's log line follow. A request that has to wait keeps its NATS message
+  here and is answered later by the tick loop, so the subscription never blocks.
 - `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
 - Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
   what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
@@ -32,7 +33,7 @@ tracer = get_tracer("services.gate")
 @dataclass
 class _Pending:
     raw: Msg
-    span: trace.Span
+    span: trace.Span | None  # set once the reply is sent (or the admit queued)
     started: float
 
 
@@ -75,11 +76,8 @@ class Gate:
 
     # ---- handlers ----------------------------------------------------------------------------
     async def on_admit(self, msg: AdmitRequest, raw: Msg) -> AdmitReply | None:
-        now = time.monotonic()
-        span = tracer.start_span("gate.admit", context=Bus.trace_context(raw), kind=trace.SpanKind.SERVER,
-                                 attributes={"request_id": msg.request_id, "prompt_tokens": msg.prompt_tokens,
-                                             "max_tokens": msg.max_tokens})
-        p = _Pending(raw, span, now)
+        now, now_ns = time.monotonic(), time.time_ns()
+        p, error = _Pending(raw, None, now), None
         try:
             if self.stopping:
                 raise RuntimeError("shutting down")
@@ -87,21 +85,35 @@ class Gate:
                                            msg.decode_instance, msg.router_boot)
         except Exception as e:  # a bug must cost one request, not the service
             self.log.exception("admit failed", request_id=msg.request_id)
-            span.record_exception(e)
-            outcome = Rejected(msg.request_id, f"gate internal error: {e}", 0.0, self.admission.settings.retry_after_s,
-                               unavailable=True)
+            outcome, error = Rejected(msg.request_id, f"gate internal error: {e}", 0.0,
+                                      self.admission.settings.retry_after_s, unavailable=True), e
         if isinstance(outcome, Wait):
+            p.span = self._span(msg, raw, now_ns)
             self.pending.setdefault(msg.request_id, []).append(p)
-            with trace.use_span(span):
+            with trace.use_span(p.span):
                 self.log.info("admission waiting", request_id=msg.request_id, waiting=len(self.admission.queue))
             self.wake.set()
             return None
         reply = self.decide(p, outcome)
         with contextlib.suppress(Exception):
             await self.bus.respond(raw, reply)
-        await asyncio.sleep(0)  # the bus's flusher sends the reply now: span and log come off the admit's path
+        replied_ns = time.time_ns()
+        # The span (started when the admit arrived), its attributes and the log line come after the reply:
+        # the bus's flusher sends the reply first, so they are off the admit's path.
+        await asyncio.sleep(0)
+        p.span = self._span(msg, raw, now_ns)
+        p.span.add_event("replied", timestamp=replied_ns)  # stage mark (bench/overhead.py)
+        if error is not None:
+            p.span.record_exception(error)
         self.record(p, reply)
         return None
+
+    @staticmethod
+    def _span(msg: AdmitRequest, raw: Msg, start_ns: int) -> trace.Span:
+        return tracer.start_span("gate.admit", context=Bus.trace_context(raw), kind=trace.SpanKind.SERVER,
+                                 start_time=start_ns, attributes={"request_id": msg.request_id,
+                                                                  "prompt_tokens": msg.prompt_tokens,
+                                                                  "max_tokens": msg.max_tokens})
 
     async def on_release(self, msg: Release, raw: Msg) -> None:
         how = self.admission.release(msg.request_id, time.monotonic())

@@ -1,4 +1,5 @@
-"""The router's HTTP API: an OpenAI-compatible FastAPI app over a RouterState (bus, tokenizer, loads).
+"""The router's HTTP API: an OpenAI-compatible FastAPI app over a RouterState (bus, tokenizer, loads), behind
+HotRoutes, which serves the two generation routes without FastAPI's layers.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (see generate.py), GET /v1/models, GET /health
 (200 only while a ready gate, prefill and decode have reported recently), GET /metrics (Prometheus; needs
@@ -22,9 +23,45 @@ from services.router.prepare import authorize
 from services.router.schemas import OpenAIError
 
 REQUIRED_ROLES = ("gate", "prefill", "decode")
+HOT_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 
 
-def create_app(state: RouterState) -> FastAPI:
+class HotRoutes:
+    """The router's ASGI app: `POST /v1/completions` and `POST /v1/chat/completions` go straight to a
+    Generation (it reads the body, answers every error as an OpenAI error object and sends the response
+    itself); everything else, and those paths with another method, go to the FastAPI app. FastAPI's
+    middleware and route layers cost ~0.2-0.3 ms a request here (bench/overhead_floors.py); the FastAPI
+    app still lists the two routes (OpenAPI schema; a test client that calls it directly)."""
+
+    def __init__(self, app: FastAPI, state: RouterState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        chat = HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if chat is None:
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await Generation(self.state, Request(scope, receive), chat=chat).respond(scope, receive, sending)
+        except Exception:  # Generation answers its own errors: this is a bug; never a plain-text 500
+            if started:
+                raise
+            await OpenAIError(500, "internal error in the router").response()(scope, receive, send)
+
+
+def create_app(state: RouterState) -> HotRoutes:
+    """The router's ASGI app (HotRoutes over the FastAPI app)."""
+    return HotRoutes(create_fastapi(state), state)
+
+
+def create_fastapi(state: RouterState) -> FastAPI:
     # FastAPI's own OpenTelemetry spans are off: they traced every GET /health and GET /metrics poll (a
     # quarter of all spans) and made each request a second trace beside router.request, which is the
     # request's server span (it continues a client's traceparent) and the root of its one trace.

@@ -103,6 +103,21 @@ class Generation:
         self.dispatch: Dispatch | None = None
         self.completion_tokens = 0
         self._finished = False
+        self._defer_finish = False  # respond() finishes the request after sending the response
+        self.outcome = Outcome()
+
+    async def respond(self, scope, receive, send) -> None:
+        """Run the request and send its response (ASGI); the request is finished (Release, metrics, span,
+        log) only once the client has its answer, so that work is not on the request's latency."""
+        self._defer_finish = True
+        try:
+            response = await self.run()
+            self.span.add_event("responding")  # stage mark (bench/overhead.py): the response goes out now
+            await response(scope, receive, send)
+        finally:
+            out = self.outcome
+            if not out.handed_off:
+                await self._finish(out.status, out.usage, out.reason)
 
     async def run(self) -> Response:
         out = self.outcome = Outcome()
@@ -139,7 +154,7 @@ class Generation:
             self.log.exception("request failed")
             return OpenAIError(500, INTERNAL_ERROR, headers={"X-Request-ID": self.request_id}).response()
         finally:
-            if not out.handed_off:
+            if not out.handed_off and not self._defer_finish:
                 await self._finish(out.status, out.usage, out.reason)
 
     async def _attempts(self, job: Job, body, shaper: Shaper) -> Response:

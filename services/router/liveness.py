@@ -162,7 +162,6 @@ class LivenessMonitor:
     def __init__(self, timeout_s: float, clock: Callable[[], float], bus=None):
         self.liveness = Liveness(timeout_s)
         self.clock, self.bus = clock, bus
-        self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def _bus_state(self) -> tuple[bool, int]:
@@ -177,10 +176,11 @@ class LivenessMonitor:
                              "" if report.ready else not_ready_reason(report), now, report.boot)
 
     def watch(self, watch: Watch, role: str, instance: str) -> None:
+        """Its timer depends only on when anything was last heard, not on what is watched: a running timer
+        keeps its time (no wake-up per watch: three per request)."""
         self.liveness.add(watch, role, instance, self.clock())
         if self.liveness.watching() and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._run(), name="router-liveness")
-        self._wake.set()
 
     def unwatch(self, watch: Watch, role: str | None = None, instance: str | None = None) -> None:
         self.liveness.remove(watch, role, instance)
@@ -188,16 +188,11 @@ class LivenessMonitor:
     async def _run(self) -> None:
         wake_at = None
         while self.liveness.watching():
-            self._wake.clear()
             now = self.clock()
             if wake_at is not None and now - wake_at > LATE_WAKE_S:  # this loop itself was blocked
                 self.liveness.resume(now)
             wake_at = self.liveness.check_bus(now, *self._bus_state())
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.01, wake_at - now))
-                wake_at = None  # woken early: not late
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.sleep(max(0.01, wake_at - now))
 
     async def close(self) -> None:
         if self._task is not None:

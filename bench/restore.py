@@ -26,6 +26,7 @@ Writes the JSON (ms = milliseconds, GB = 1e9 B), a PNG with the same stem, and p
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -98,8 +99,12 @@ class System:
         return self
 
     def __exit__(self, *exc) -> None:
-        for name in self.launcher.dead() if exc[0] is not None else []:
-            log(f"{name} log tail:\n" + (Path(self.tmp.name) / f"{name}.log").read_text()[-3000:])
+        if exc[0] is not None:  # the run dir goes away with the temp dir: keep what says why
+            keep = Path("runs") / f"failed-{self.tag}-{time.strftime('%Y%m%d-%H%M%S')}"
+            shutil.copytree(self.tmp.name, keep, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+            log(f"{self.tag}: failed ({exc[0].__name__}); its run dir is kept in {keep}")
+            for name in self.launcher.dead():
+                log(f"{name} log tail:\n" + (Path(self.tmp.name) / f"{name}.log").read_text()[-3000:])
         for x in (self.http, self.watch):
             if x is not None:
                 x.close()

@@ -89,7 +89,8 @@ def one_round(s: System, prompts: list[list[int]], threads: int) -> dict:
         t = time.perf_counter()
         r = s.http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                  "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{s.tag}: HTTP {r.status_code}: {r.text[:500]}")
         lat.append((time.perf_counter() - t) * 1e3)
 
     t0 = time.perf_counter()

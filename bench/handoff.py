@@ -154,11 +154,14 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
     return cases
 
 
+EXTRA: list[str] = []  # --set overrides, after the bench's own
+
+
 def run_system(model: str, p: dict, g: torch.Generator, overhead: bool) -> tuple[list[dict], dict | None]:
     with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[
             f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
-            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}"])
+            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", *EXTRA])
         launcher = Launcher(cfg)
         try:
             base = launcher.start()
@@ -245,7 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny only, 2K only, R=1, N=10 (< 2 minutes)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/handoff-<time>/handoff.json, "
                                                 "gitignored; pass bench/results/handoff.json to update the committed one)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override for the systems (repeatable), e.g. prefill.transfer.copy_threads=1")
     args = ap.parse_args(argv)
+    EXTRA[:] = args.set
     args.out = args.out or f"runs/handoff-{time.strftime('%Y%m%d-%H%M%S')}/handoff.json"
     p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
     g = torch.Generator().manual_seed(SEED)
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(["python -m bench.handoff", *(argv if argv is not None else sys.argv[1:])]),
         "machine": info,
         "params": {"quick": args.quick, "seed": SEED, "slot_bytes": DEFAULT_SLOT_BYTES, "engine_num_blocks": BLOCKS,
-                   "transfer": "Mooncake TE, tcp, 127.0.0.1", "max_tokens_handoff": 2, **p},
+                   "transfer": "Mooncake TE, tcp, 127.0.0.1", "max_tokens_handoff": 2, "set": EXTRA, **p},
         "units": {"*_ms": "milliseconds", "*_s": "seconds", "bytes": "bytes", "MB": "1e6 bytes",
                   "*GBps": "1e9 bytes/second", "ratio_*": "GBps / raw_GBps"},
         "notes": [

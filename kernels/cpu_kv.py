@@ -23,10 +23,12 @@ The GIL is released during the copy (ctypes), so a gather in a worker thread lea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
 import os
+import threading
 from array import array
 
 import torch
@@ -200,6 +202,26 @@ _load, available = KERNEL.load, KERNEL.available
 # tuning (measured on a 2-core EPYC VM, see /work/notes/kernels2.md)
 MIN_SPLIT_BYTES = 1 << 18   # copies smaller than this run on one thread (a parallel region costs more)
 STREAM_BYTES = 1 << 24      # copies this big write with non-temporal stores
+_local = threading.local()  # .threads: this thread's cap on copy threads (see `threads`)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Copies made by this thread inside the block use at most n threads. For copies that overlap other
+    busy threads (a handoff's gather and scatter run while the Transfer Engine sends): an OpenMP region
+    whose second thread is descheduled waits for it, so on a full machine one thread can be faster."""
+    before = getattr(_local, "threads", None)
+    _local.threads = max(1, n)
+    try:
+        yield
+    finally:
+        _local.threads = before
+
+
+def _nthreads() -> int:
+    cap = getattr(_local, "threads", None)
+    n = torch.get_num_threads()
+    return n if cap is None else min(n, cap)
 
 
 def _ids(ids: IndexLike, n: int | None = None) -> tuple[int, int, object] | None:
@@ -236,7 +258,7 @@ def _blocks(src: torch.Tensor, dst: torch.Tensor, ids: tuple[int, int, object], 
             block_numel: int, unpack: int) -> int:
     fn = KERNEL.symbol_fn("moorage_kv_blocks")
     return fn(src.data_ptr(), dst.data_ptr(), ids[0], ids[1], pages.shape[0], block_numel * pages.element_size(),
-              unpack, MIN_SPLIT_BYTES, STREAM_BYTES, torch.get_num_threads())
+              unpack, MIN_SPLIT_BYTES, STREAM_BYTES, _nthreads())
 
 
 def _chunk_ok(pages_s: torch.Tensor, buf: torch.Tensor | None, ids: tuple[int, int, object] | None) -> int:
@@ -279,7 +301,7 @@ def _tokens(to_pages: int, pages: list[torch.Tensor], planes: tuple[int, ...], r
     S, cp = len(pages), len(ranks)
     return KERNEL.load()(to_pages, (_PTR * S)(*[p.data_ptr() for p in pages]), (_I64 * S)(*planes), S,
                          (_PTR * cp)(*[r.data_ptr() for r in ranks]), cp, ids[0], pages[0].shape[0], first, end,
-                         pages[0].shape[3], row, MIN_SPLIT_BYTES, STREAM_BYTES, torch.get_num_threads())
+                         pages[0].shape[3], row, MIN_SPLIT_BYTES, STREAM_BYTES, _nthreads())
 
 
 def gather_for_ranks(stage_pages: list[torch.Tensor], block_table: IndexLike, num_tokens: int, cp: int,

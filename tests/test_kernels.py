@@ -395,3 +395,32 @@ def test_cpu_functions_reload_after_reset_and_fall_back_without_a_compiler(tmp_p
         monkeypatch.undo()
         cpu_kv.KERNEL.reset()  # the next use loads the default cache's build again
     assert cpu_kv.available()
+
+
+def test_threads_caps_this_threads_copies_only():
+    """kernels.cpu_kv.threads(n): copies made by the calling thread use at most n threads, restored after;
+    other threads keep torch's count."""
+    import threading
+
+    full = torch.get_num_threads()
+    seen = {}
+    with cpu_kv.threads(1):
+        seen["inside"] = cpu_kv._nthreads()
+        with cpu_kv.threads(5):
+            seen["nested"] = cpu_kv._nthreads()
+        seen["after nested"] = cpu_kv._nthreads()
+        other = threading.Thread(target=lambda: seen.__setitem__("other thread", cpu_kv._nthreads()))
+        other.start()
+        other.join()
+    seen["after"] = cpu_kv._nthreads()
+    assert seen == {"inside": 1, "nested": min(5, full), "after nested": 1, "other thread": full, "after": full}
+
+
+@needs_cpu
+def test_one_thread_gather_equals_reference():
+    layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=36)
+    pages = _random_pages(layout, 40, seed=3)
+    table = torch.randperm(40)[:30]
+    with cpu_kv.threads(1):
+        got = cpu_kv.gather_for_ranks(pages, table, 470, 1, layout, first=3)
+    assert torch.equal(got[0], ref.gather_for_ranks(pages, table, 470, 1, layout, first=3)[0])

@@ -47,6 +47,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from kernels import get_kv_kernels
 from kernels.cpu_kv import prefault
+from kernels.cpu_kv import threads as copy_threads
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
@@ -87,8 +88,9 @@ GRANT_HOLD_S = 1.0  # a grant short of room waits this long for some (well below
 
 class LandingZone:
     def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str,
-                 faults: LandingFaults | None = None):
+                 faults: LandingFaults | None = None, copy_threads: int = 0):
         self.engine, self.loop, self.slots, self.endpoint = engine, loop, slots, endpoint
+        self.copy_threads = copy_threads  # a scatter's threads (transfer.copy_threads; 0 = torch's)
         self.faults = faults or LandingFaults()
         self.checks = HandoffChecks()
         self.layout = engine.layout
@@ -254,8 +256,9 @@ class LandingZone:
             rows = landed[lo:lo + (end - first) * self.token_bytes]
             if rows.data_ptr() % self.layout.elem_bytes:  # a slot size that is no multiple of the element size
                 rows = rows.clone()
-            self.kernels.scatter_from_rank(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks,
-                                           end - first, first)
+            with copy_threads(self.copy_threads or torch.get_num_threads()):
+                self.kernels.scatter_from_rank(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks,
+                                               end - first, first)
         return reason
 
     def _seam(self, landing: Landing, piece: Piece) -> None:

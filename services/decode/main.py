@@ -171,7 +171,8 @@ async def serve(ctx: ServiceContext) -> None:
     faults = LandingFaults.from_env()  # off unless a test sets MOORAGE_FAULT_CORRUPT_LANDING
     if faults.corrupt_pieces:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
-    svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults))
+    svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
+                                                                   cfg.transfer.copy_threads))
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room

@@ -38,6 +38,7 @@ import torch
 from opentelemetry import context as otel_context
 
 from kernels import get_kv_kernels
+from kernels.cpu_kv import threads as copy_threads
 from services.prefill.staging import StagingPool
 from shared.bus import Bus
 from shared.handoff_check import Piece, checksum, to_wire
@@ -126,7 +127,9 @@ class HandoffSender:
         tb = self.token_bytes
         t0, t1 = offset // tb, -(-(offset + nbytes) // tb)
         region = buf[:(t1 - t0) * tb]
-        self.kernels.gather_for_ranks(self.pages, table, t1, 1, self.layout, [region.view(self.layout.dtype)], first=t0)
+        with copy_threads(self.config.copy_threads or torch.get_num_threads()):
+            self.kernels.gather_for_ranks(self.pages, table, t1, 1, self.layout, [region.view(self.layout.dtype)],
+                                          first=t0)
         raw = region[offset - t0 * tb:offset - t0 * tb + nbytes]
         t = time.perf_counter()
         crc = checksum(raw)

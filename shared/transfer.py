@@ -45,7 +45,7 @@ class TransferConfig:
     max_slots_per_round: int = 4        # prefill: credits asked for per round trip
     timeout_s: float = 60.0             # a handoff idle this long is abandoned and its KV freed
     tcp_progress_timeout_s: int = 10    # a stuck peer fails a write after this (process-wide)
-    copy_threads: int = 0               # threads of one handoff gather (prefill) or scatter (decode); 0 = torch's (1 was 3-20% faster on a 2-core host, where the copies overlap the send)
+    copy_threads: int = 0               # threads of a KV copy that overlaps a transfer: a handoff's gather (prefill) or scatter (decode), a restore's unpack (prefill); 0 = torch's
 
     def __post_init__(self) -> None:
         if self.copy_threads < 0:

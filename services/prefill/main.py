@@ -253,7 +253,8 @@ async def serve(ctx: ServiceContext) -> None:
         async def saved(digests: list[bytes]) -> None:
             events.emit_store(digests, engine.layout.chunk_tokens)
 
-        svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved)
+        svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved,
+                                 copy_threads=cfg.transfer.copy_threads)
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()
     events.start()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import get_kv_kernels
+from kernels.cpu_kv import threads as copy_threads
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
@@ -54,8 +55,9 @@ class BatchDone:
 
 
 class PoolConnector:
-    def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None):
+    def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None, copy_threads: int = 0):
         self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
+        self.copy_threads = copy_threads or torch.get_num_threads()  # an unpack's (it overlaps the next read)
         self.bm, self.layout = engine.block_manager, engine.layout
         self.stages = self.layout.stages
         self.payload = [self.layout.chunk_payload_bytes(s) for s in range(self.stages)]
@@ -269,7 +271,8 @@ class PoolConnector:
             for s in range(S):
                 t = time.perf_counter()
                 payload = views[c * S + s][HEADER_BYTES:].view(self.layout.dtype)
-                self.kernels.unpack_chunk(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
+                with copy_threads(self.copy_threads):
+                    self.kernels.unpack_chunk(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
                 stage_ms[s] += (time.perf_counter() - t) * 1e3
         return BatchDone(len(digests), stage_ms, None)
 

@@ -37,28 +37,36 @@ def resident_share(pages: torch.Tensor, lo: int, hi: int) -> float:
 LAYOUT = KVLayout(4, 2, 64, dtype=torch.float32)  # the tiny model's: 64 KiB per 16-token block
 
 
+def fresh_pages(num_blocks: int) -> list[torch.Tensor]:
+    """Pages in a new anonymous mapping: nothing resident until touched, whatever the allocator recycles
+    (allocate_pages' calloc may hand a test process memory it freed before, already resident)."""
+    shape = LAYOUT.page_shape(0, num_blocks)
+    m = mmap.mmap(-1, int(np.prod(shape)) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return [torch.frombuffer(m, dtype=torch.float32).view(shape)]
+
+
 def test_window_made_resident_then_follows_allocations():
-    pages = allocate_pages(LAYOUT, 512)  # 32 MiB from calloc: nothing resident yet
-    assert resident_share(pages[0], 0, 512) < 0.05
-    bm = BlockManager(512, LAYOUT.block_size)
+    pages = fresh_pages(1024)
+    assert resident_share(pages[0], 0, 1024) < 0.05
+    bm = BlockManager(1024, LAYOUT.block_size)
     warmer = PageWarmer(pages, ahead_blocks=64, step_bytes=1 << 20)
     bm.on_allocate = warmer.allocated
     try:
         assert warmer.wait_idle()
         assert resident_share(pages[0], 0, 64) == 1.0
-        assert resident_share(pages[0], 128, 512) < 0.05  # only the window, not the pool
+        assert resident_share(pages[0], 128, 1024) < 0.05  # only the window, not the pool
         bm.allocate(100)  # blocks 0..99 out: the window is now [100, 164)
         assert warmer.wanted == 164
         assert warmer.wait_idle()
         assert resident_share(pages[0], 100, 164) == 1.0
-        assert resident_share(pages[0], 200, 512) < 0.05
+        assert resident_share(pages[0], 200, 1024) < 0.05
         assert not pages[0].any()  # no byte changed
     finally:
         warmer.close()
 
 
 def test_window_stops_at_the_pool_end():
-    pages = allocate_pages(LAYOUT, 64)
+    pages = fresh_pages(64)
     warmer = PageWarmer(pages, ahead_blocks=1000)
     try:
         assert warmer.ahead == 64
@@ -104,7 +112,7 @@ def test_dropped_engine_frees_its_pages_and_thread():
     """The thread holds the pages weakly: dropping the warmer (an engine without close) ends it."""
     import gc
     import weakref
-    pages = allocate_pages(LAYOUT, 4096)
+    pages = fresh_pages(4096)
     ref = weakref.ref(pages[0])
     warmer = PageWarmer(pages, ahead_blocks=8)
     thread = warmer._thread

@@ -56,6 +56,10 @@ class Subjects:
     def gate_release(self) -> str:
         return f"{self.prefix}.gate.release"
 
+    @property
+    def gate_holdings(self) -> str:
+        return f"{self.prefix}.gate.holdings"
+
     def prefill_submit(self, instance: str) -> str:
         return f"{self.prefix}.prefill.{instance}.submit"
 

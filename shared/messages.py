@@ -170,6 +170,16 @@ class Release(Message):
     reason: str = ""
 
 
+@message("holdings")
+class Holdings(Message):
+    """A router's periodic list of the requests it may still hold gate budget for (admitted, or asked and
+    not yet released). The gate drops what this router process (`boot`) holds that is not listed and is
+    older than its grace: a Release lost with the bus (nats-server killed or restarted) frees its budget."""
+    router: str
+    boot: str
+    request_ids: list[str]
+
+
 # ---- prefill submission and the KV handoff (router -> prefill -> decode) -------------------------
 @message("prefill_submit")
 class PrefillSubmit(Message):

@@ -20,9 +20,10 @@ from services.gate.config import GateSettings
 from services.router.config import RouterSettings
 from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
 from services.router.routing import LoadTable, make_picker
+from services.router.schemas import OpenAIError
 from shared.bus import Subjects
 from shared.logging import get_logger
-from shared.messages import LoadReport
+from shared.messages import AdmitReply, LoadReport
 
 
 def gate() -> Admission:
@@ -90,4 +91,73 @@ async def test_an_admit_held_by_a_gate_that_goes_ends_when_the_gate_is_gone_not_
         await asyncio.wait_for(start, 5)
     assert lost.value.role == "gate" and lost.value.status == 503 and time.monotonic() - t0 < 1.0
     await d.close("test")
+    await state.monitor.close()
+
+
+# ---- 3. a Release lost with the bus: the router's Holdings frees it ---------------------------------------
+def test_holdings_drop_what_the_router_no_longer_lists_after_the_grace():
+    """Found by bench/faults.py: kill -9 (or a restart) of nats-server under load left one reservation
+    (211 tokens) held after the load stopped: its Release went out while the bus was down."""
+    a = Admission(GateSettings(budget_fraction=1.0, holdings_grace_s=5.0))
+    a.report("decode-0", 1000, 1000, True, 0.0)
+    assert isinstance(a.admit("lost", 300, 100, 0.0, owner="boot-a"), Admitted)
+    assert isinstance(a.admit("live", 100, 100, 0.0, owner="boot-a"), Admitted)
+    assert isinstance(a.admit("other", 100, 100, 0.0, owner="boot-x"), Admitted)     # another router's
+    assert isinstance(a.admit("fresh", 100, 100, 4.0, owner="boot-a"), Admitted)     # within the grace
+    assert isinstance(a.admit("queued", 400, 0, 0.5, owner="boot-a"), Wait)          # over budget: waits
+    assert isinstance(a.admit("queued-live", 10, 0, 0.5, owner="boot-a"), Wait)      # behind it (FIFO)
+    dropped, waiting = a.reconcile("boot-a", {"live", "queued-live"}, 6.0)
+    assert [r.request_id for r in dropped] == ["lost"] and waiting == ["queued"]
+    assert set(a.reservations) == {"live", "other", "fresh"} and list(a.queue) == ["queued-live"]
+    assert a.instances["decode-0"].reserved == 600 and a.counters["reconciled"] == 1
+    assert a.release("lost", 7.0) == "duplicate"   # the lost Release, if it turns up after all
+    assert a.reconcile("", set(), 100.0) == ([], [])  # an owner-less list names nobody
+    assert a.reconcile("boot-unknown", set(), 100.0) == ([], [])
+    a.check_integrity()
+
+
+class _AdmitBus:
+    """The gate's side of one admit: `reply` (an AdmitReply) or `error` (the reply never came)."""
+    subjects = Subjects("moorage")
+    nc = None
+
+    def __init__(self, reply=None, error: Exception | None = None):
+        self.reply, self.error, self.published = reply, error, []
+
+    async def request(self, subject, msg, reply_type, timeout):
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+    async def publish(self, subject, msg):
+        self.published.append(msg)
+
+
+async def _dispatch(bus) -> tuple[RouterState, Dispatch]:
+    settings = RouterSettings()
+    loads = LoadTable(settings.instance_timeout_s)
+    state = RouterState(settings, bus, None, 4096, loads, make_picker("p2c", loads, 60.0))
+    for role in ("gate", "decode", "prefill"):
+        state.picker.update(LoadReport(f"{role}-0", role, True, 1000, 1000), state.clock())
+    return state, Dispatch(state, Job("req-1", None, [1, 2, 3], 4, {}), opentelemetry.trace.INVALID_SPAN,
+                           get_logger("test"), time.monotonic() + 60)
+
+
+async def test_the_router_lists_an_admit_whose_reply_was_lost_until_it_sent_the_release():
+    state, d = await _dispatch(_AdmitBus(error=asyncio.TimeoutError()))
+    with pytest.raises(OpenAIError) as e:
+        await d.start()
+    assert e.value.status == 503 and state.holding == {"req-1"}  # the gate may have reserved it: listed until released
+    await d.close("admit timed out")
+    assert state.holding == set() and [m.KIND for m in d.bus.published] == ["release"]
+    await state.monitor.close()
+
+
+async def test_a_refused_admit_is_not_listed_and_not_released():
+    state, d = await _dispatch(_AdmitBus(reply=AdmitReply("req-1", "rejected", reason="full", retry_after_s=1.0)))
+    with pytest.raises(OpenAIError) as e:
+        await d.start()
+    assert e.value.status == 429 and state.holding == set()
+    await d.close("rejected")
+    assert d.bus.published == []
     await state.monitor.close()

@@ -16,7 +16,7 @@ import pytest
 
 from shared import tracing
 from shared.bus import Bus, BusConfig
-from shared.messages import AdmitReply, AdmitRequest, LoadReport, Release
+from shared.messages import AdmitReply, AdmitRequest, Holdings, LoadReport, Release
 from shared.tracing import TracingConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,6 +163,28 @@ async def test_release_lets_a_waiting_request_in(start_gate, connect):
     await c.release("a")  # duplicate: counted, nothing else
     report = await c.gate_state(lambda d: d["release_duplicate"] == 1)
     assert report.detail["reserved_tokens"] == {"d0": 500} and report.detail["released"] == 1
+
+
+async def test_a_routers_holdings_free_what_it_no_longer_holds(start_gate, connect):
+    """A Release lost with the bus (found by bench/faults.py under kill -9 of nats-server): the router's next
+    Holdings no longer lists the request, and the gate drops its reservation. Another router's, one still
+    listed, and a malformed list drop nothing."""
+    c = await connect(start_gate("gate.holdings_grace_s=0.2"))
+    await c.decode("d0", 1000, 1000)
+    await c.gate_state(lambda d: d["live_instances"] == 1)
+    for rid, boot in (("lost", "boot-a"), ("kept", "boot-a"), ("theirs", "boot-b")):
+        r = await c.bus.request(c.s.gate_admit, AdmitRequest(rid, 100, 50, router_boot=boot), AdmitReply, timeout=5)
+        assert r.status == "admitted"
+    await asyncio.sleep(0.3)  # older than the grace
+    await c.bus.nc.publish(c.s.gate_holdings, msgpack.packb({"v": 1, "kind": "holdings", "router": "router-0",
+                                                             "boot": "boot-a", "request_ids": [1, 2]}))
+    await c.gate_state(lambda d: d["malformed"] == 1)
+    await c.bus.publish(c.s.gate_holdings, Holdings("router-0", "boot-a", ["kept"]))
+    report = await c.gate_state(lambda d: d["reconciled"] == 1)
+    assert report.detail["reservations"] == 2 and report.detail["reserved_tokens"] == {"d0": 300}
+    await c.release("lost")  # the lost Release after all: a duplicate
+    report = await c.gate_state(lambda d: d["release_duplicate"] == 1)
+    assert report.detail["reserved_tokens"] == {"d0": 300}
 
 
 async def test_no_decode_means_503_style_rejection(start_gate, connect):

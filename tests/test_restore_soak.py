@@ -28,7 +28,9 @@ def test_every_turn_matches_from_scratch(soak):
 
 def test_the_soak_exercised_what_it_claims(soak):
     c, o = soak["counts"], soak["counts"]["outcomes"]
-    assert c["restores"] >= QUICK.cycles // 4        # the pool served a good share of the turns
+    # the pool served a good share of the turns: 54-66 restores of 240 in 6 runs here (timing decides
+    # which chunks the small stores still hold), so a sixth leaves room for noise, not for a broken pool
+    assert c["restores"] >= QUICK.cycles // 6
     assert o["restored"] > 0 and o["fresh"] > 0
     assert c["partial_restores"] + c["misses"] > 0  # the small pool lost history along the way
     assert c["midway_evictions"] > 0 and c["corruptions"] > 0

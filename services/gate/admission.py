@@ -25,6 +25,9 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   (re)started decode takes to be seen, `instance_timeout_s`.
 - `release` ends a reservation (or cancels a waiting request). It is idempotent: a duplicate or
   unknown id changes nothing and is only counted.
+- `reconcile` takes a router's list of what it may still hold (`Holdings`): what that router process
+  holds here, is not listed and is older than `holdings_grace_s` lost its Release (to a bus outage);
+  it is dropped (counted "reconciled").
 
 Pure bookkeeping: no clock, no I/O. Every call takes `now` (monotonic seconds) where time matters.
 """
@@ -128,7 +131,7 @@ class Admission:
         self._freed: deque[tuple[float, int]] = deque()  # (when, tokens) budget given back, release_window_s
         self._since: float | None = None  # first time we were asked anything (the window's start, early on)
         self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
-                             release_duplicate=0, release_unknown=0, orphaned=0)
+                             release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0)
         self.routers: dict[str, str] = {}  # router instance -> the boot id of its process, from its load reports
 
     # ---- decode instances --------------------------------------------------------------------
@@ -266,6 +269,25 @@ class Admission:
             self._drop(r, "orphaned", now)
             self.counters["orphaned"] += 1
         waiting = [w.request_id for w in self.queue.values() if w.owner == old]
+        for rid in waiting:
+            del self.queue[rid]
+            self.counters["cancelled"] += 1
+        return dropped, waiting
+
+    def reconcile(self, owner: str, held: set[str], now: float) -> tuple[list[Reservation], list[str]]:
+        """A router process's `Holdings`: drop its reservations, and take out of the queue its waiting
+        requests, that it no longer lists and that are older than holdings_grace_s (the grace covers a
+        Holdings sent before an admit that overtook it). Returns both; a release of them later is a duplicate."""
+        if not owner:
+            return [], []
+        cutoff = now - self.settings.holdings_grace_s
+        dropped = [r for r in self.reservations.values()
+                   if r.owner == owner and r.request_id not in held and r.admitted_at <= cutoff]
+        for r in dropped:
+            self._drop(r, "reconciled", now)
+            self.counters["reconciled"] += 1
+        waiting = [w.request_id for w in self.queue.values()
+                   if w.owner == owner and w.request_id not in held and w.enqueued_at <= cutoff]
         for rid in waiting:
             del self.queue[rid]
             self.counters["cancelled"] += 1

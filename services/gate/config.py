@@ -19,6 +19,7 @@ class GateSettings:
     retry_after_s: float = 1.0          # least Retry-After sent with a rejection (it is estimated from the queue)
     retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
     release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
+    holdings_grace_s: float = 5.0       # a reservation a router's Holdings no longer lists is dropped once this old
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget_fraction <= 1.0:
@@ -29,7 +30,7 @@ class GateSettings:
         if self.retry_after_max_s < self.retry_after_s:
             raise ConfigError(f"gate.retry_after_max_s ({self.retry_after_max_s}) must be >= gate.retry_after_s "
                               f"({self.retry_after_s})")
-        for name in ("reservation_ttl_s", "instance_timeout_s", "release_window_s"):
+        for name in ("reservation_ttl_s", "instance_timeout_s", "release_window_s", "holdings_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"gate.{name} must be positive, got {getattr(self, name)}")
 

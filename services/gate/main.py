@@ -5,6 +5,7 @@
   `replied` event) and the decision's log line follow. A request that has to wait keeps its NATS message
   here and is answered later by the tick loop, so the subscription never blocks.
 - `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
+- `moorage.gate.holdings`: a router's Holdings; what it no longer lists is dropped (Admission.reconcile).
 - Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
   what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
 """
@@ -22,7 +23,7 @@ from opentelemetry import trace
 
 from services.gate.admission import Admission, Admitted, Invalid, Rejected, Wait
 from shared.bus import Bus
-from shared.messages import AdmitReply, AdmitRequest, LoadReport, Release
+from shared.messages import AdmitReply, AdmitRequest, Holdings, LoadReport, MessageError, Release
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -60,6 +61,7 @@ class Gate:
         await self.bus.subscribe(s.gate_admit, AdmitRequest, self.on_admit, queue="gate",
                                  on_error=self.on_malformed_admit)
         await self.bus.subscribe(s.gate_release, Release, self.on_release, on_error=self.on_malformed)
+        await self.bus.subscribe(s.gate_holdings, Holdings, self.on_holdings, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("decode", "*"), LoadReport, self.on_load, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("router", "*"), LoadReport, self.on_router, on_error=self.on_malformed)
         self.ctx.load_report = self.load_report
@@ -121,6 +123,22 @@ class Gate:
         if how == "cancelled":
             await self.answer(Rejected(msg.request_id, "released while waiting", 0.0,
                                        self.admission.settings.retry_after_s))
+        self.wake.set()
+
+    async def on_holdings(self, msg: Holdings, raw: Msg) -> None:
+        """Drop what the router process no longer lists: its Release was lost (see Admission.reconcile)."""
+        if not all(isinstance(rid, str) for rid in msg.request_ids):  # never drop on a list we cannot read
+            self.on_malformed(MessageError("holdings: request_ids must be strings"), raw)
+            return
+        dropped, waiting = self.admission.reconcile(msg.boot, set(msg.request_ids), time.monotonic())
+        if not (dropped or waiting):
+            return
+        for r in dropped:
+            self.log.warning("reservation dropped: its router no longer holds it (release lost)",
+                             request_id=r.request_id, router=msg.router, decode_instance=r.instance, tokens=r.tokens)
+        for rid in waiting:
+            await self.answer(Rejected(rid, "the router no longer waits for it", 0.0,
+                                       self.admission.settings.retry_after_s, unavailable=True))
         self.wake.set()
 
     async def on_load(self, msg: LoadReport, raw: Msg) -> None:

@@ -33,6 +33,7 @@ class RouterSettings:
     instance_timeout_s: float = 5.0    # a load report older than this: the instance is gone
     liveness_timeout_s: float = 3.0    # a request whose prefill or decode is silent this long (or not ready) ends: 503
     graceful_shutdown_s: float = 5.0   # open streams get this long to finish on shutdown
+    holdings_interval_s: float = 5.0   # how often the gate is told what this router still holds (frees lost Releases)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -47,7 +48,7 @@ class RouterSettings:
         if self.max_request_tokens < 0:
             raise ConfigError(f"router.max_request_tokens must not be negative, got {self.max_request_tokens}")
         for name in ("request_timeout_s", "admission_timeout_s", "submit_timeout_s", "session_idle_s",
-                     "instance_timeout_s", "liveness_timeout_s"):
+                     "instance_timeout_s", "liveness_timeout_s", "holdings_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}")
         if any(not k for k in self.api_keys):

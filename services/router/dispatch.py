@@ -58,6 +58,7 @@ class RouterState:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     clock: Callable[[], float] = time.monotonic
     live: set["Dispatch"] = field(default_factory=set)  # subscribed, not yet closed (shutdown aborts them)
+    holding: set[str] = field(default_factory=set)  # bus ids the gate may hold budget for: sent as Holdings
     boot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process (load reports, admits): a restarted
     #                                                               router's gate reservations are freed by it
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
@@ -134,7 +135,6 @@ class Dispatch:
         self._aborted: asyncio.Future | None = None  # done once abort() was called: `_abort_error` says why
         self._abort_error: OpenAIError | None = None
         self._watch = Watch(self._on_gone)
-        self._must_release = False  # the gate may hold (or be waiting on) a reservation for us
         self._submitted = False     # prefill / decode may be working on it
         self.chunks = 0             # token chunks received
         self.finished = False       # the final chunk arrived
@@ -168,7 +168,7 @@ class Dispatch:
             if decision.resident_tokens is not None:
                 self.span.set_attribute("resident_prefix_tokens", decision.resident_tokens)
         self.span.add_event("routed")
-        self._must_release = True  # from here on the gate may reserve for us, even if its reply is lost
+        self.state.holding.add(self.request_id)  # from here on the gate may reserve for us, even if its reply is lost
         # A gate that dies (or a bus that goes) while it holds our admit never answers: the wait ends when
         # the liveness monitor says a gate is gone, not after admission_timeout_s.
         gates = [v.instance for v in self.state.loads.fresh("gate", self.state.clock())]
@@ -189,7 +189,7 @@ class Dispatch:
         self.span.add_event("admitted")  # stage marks: bench/overhead.py breaks latency down by them
         self.span.set_attribute("admission_waited_ms", reply.waited_ms)
         if reply.status != "admitted":
-            self._must_release = False  # nothing held: an invalid or rejected request holds no budget
+            self.state.holding.discard(self.request_id)  # nothing held: an invalid or rejected request holds no budget
             raise self._refusal(reply)
         self.decode = reply.decode_instance
         if not self.decode:
@@ -317,11 +317,12 @@ class Dispatch:
             rid = self.request_id
             if self._submitted and not self.finished:
                 await self._publish(self.bus.subjects.cancel(rid), Cancel(rid, reason))
-            if self._must_release:
+            if rid in self.state.holding:
                 await self._publish(self.bus.subjects.gate_release, Release(rid, reason))
+                self.state.holding.discard(rid)  # a Release lost with the bus: the next Holdings frees it
 
     async def _publish(self, subject: str, msg) -> None:
         try:
             await self.bus.publish(subject, msg)
-        except Exception as e:  # the bus is down: the gate's reservation TTL cleans up
+        except Exception as e:  # the bus is down: the router's next Holdings frees the budget
             self.log.warning("publish failed", subject=subject, kind=msg.KIND, error=str(e))

@@ -16,7 +16,7 @@ from services.router.dispatch import RouterState
 from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
 from shared.engine.models import load_tokenizer
-from shared.messages import KVEventBatch, LoadReport
+from shared.messages import Holdings, KVEventBatch, LoadReport
 from shared.ops_http import EmbeddedServer, listen
 from shared.service import ServiceContext
 
@@ -30,6 +30,18 @@ async def build_state(config: RouterConfig, bus) -> RouterState:
     if picker.index is not None:
         state.metrics.watch_index(picker.index)
     return state
+
+
+async def publish_holdings(ctx: ServiceContext, state: RouterState) -> None:
+    """Every holdings_interval_s, tell the gate which requests this process may still hold budget for, so
+    one whose Release was lost (the bus went down as it was sent) is freed within seconds."""
+    while True:
+        await asyncio.sleep(state.settings.holdings_interval_s)
+        try:
+            await ctx.bus.publish(ctx.bus.subjects.gate_holdings,
+                                  Holdings(ctx.instance, state.boot, sorted(state.holding)))
+        except Exception as e:  # the bus is down (the next one goes after it is back) or the list is too long
+            ctx.log.warning("holdings not sent", error=str(e), holding=len(state.holding))
 
 
 async def serve(ctx: ServiceContext) -> None:
@@ -100,4 +112,11 @@ async def serve(ctx: ServiceContext) -> None:
             log.warning("requests still open at shutdown", in_flight=state.metrics.in_flight_count())
 
     ctx.on_stop.append(stop_http)
+    holdings = asyncio.create_task(publish_holdings(ctx, state), name="router-holdings")
+
+    async def stop_holdings() -> None:
+        holdings.cancel()
+        await asyncio.gather(holdings, return_exceptions=True)
+
+    ctx.on_stop.append(stop_holdings)  # hooks run in reverse: it stops before the HTTP server
     task.add_done_callback(lambda t: ctx.stop.set())  # the server died on its own: stop the service

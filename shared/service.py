@@ -115,8 +115,10 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
     finally:
         ctx.serving = False
         notify("STOPPING=1")
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not turn a clean exit into -15
-            loop.remove_signal_handler(sig)
+        # A second signal must not turn a clean exit into -15: ignore them from here, in one step. The loop's
+        # remove_signal_handler would pass through SIG_DFL first (a window CI hit); uvloop leaves dispositions
+        # alone when it closes, so its stale entries are harmless.
+        for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         for hook in reversed(ctx.on_stop):
             with contextlib.suppress(Exception):

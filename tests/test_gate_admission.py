@@ -190,6 +190,24 @@ def test_release_is_idempotent():
     assert (g.counters["released"], g.counters["release_duplicate"], g.counters["release_unknown"]) == (1, 1, 1)
 
 
+def test_an_admit_that_arrives_after_its_release_reserves_nothing():
+    """The bus delivers admits and releases on separate subscriptions, so a router that gave up (a bus
+    outage, a timeout) can have its Release handled before its admit: that admit must not reserve, or the
+    budget would be held until a Holdings or the TTL frees it (found by bench/faults.py under kill -9 of
+    nats-server)."""
+    g = gate()
+    g.report("d0", 1000, 1000, True, now=0)
+    assert g.release("late") == "unknown"
+    r = g.admit("late", 100, 10, now=1)
+    assert isinstance(r, Rejected) and not r.unavailable and "already released" in r.reason
+    g.admit("a", 10, 0, now=1)
+    assert g.release("a") == "released"
+    assert isinstance(g.admit("a", 10, 0, now=2), Rejected)  # a duplicate admit after the release: the same
+    assert not g.reservations and g.stats(2)["reserved_tokens"] == {"d0": 0}
+    assert g.counters["admit_after_release"] == 2 and g.counters["admitted"] == 1
+    g.check_integrity()
+
+
 def test_release_of_a_waiting_request_cancels_it():
     g = gate(budget_fraction=1.0)
     g.report("d0", 1000, 1000, True, now=0)

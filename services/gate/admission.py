@@ -24,7 +24,8 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   [retry_after_s, retry_after_max_s] of the settings. With no live decode able to hold it: the time a
   (re)started decode takes to be seen, `instance_timeout_s`.
 - `release` ends a reservation (or cancels a waiting request). It is idempotent: a duplicate or
-  unknown id changes nothing and is only counted.
+  unknown id changes nothing and is only counted; an unknown one is remembered, so its admit, if it
+  arrives after all (the bus delivers them on separate subscriptions), is refused instead of reserved.
 - `reconcile` takes a router's list of what it may still hold (`Holdings`): what that router process
   holds here, is not listed and is older than `holdings_grace_s` lost its Release (to a bus outage);
   it is dropped (counted "reconciled").
@@ -127,11 +128,12 @@ class Admission:
         self.instances: dict[str, Instance] = {}
         self.reservations: dict[str, Reservation] = {}
         self.queue: OrderedDict[str, Waiting] = OrderedDict()  # FIFO, indexed by request id
-        self._finished: OrderedDict[str, str] = OrderedDict()  # request id -> "released" | "expired"
+        self._finished: OrderedDict[str, str] = OrderedDict()  # request id -> how it ended ("released", "expired", ...)
         self._freed: deque[tuple[float, int]] = deque()  # (when, tokens) budget given back, release_window_s
         self._since: float | None = None  # first time we were asked anything (the window's start, early on)
         self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
-                             release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0)
+                             release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0,
+                             admit_after_release=0)
         self.routers: dict[str, str] = {}  # router instance -> the boot id of its process, from its load reports
 
     # ---- decode instances --------------------------------------------------------------------
@@ -198,6 +200,9 @@ class Admission:
             return Admitted(request_id, r.instance, r.tokens)
         if request_id in self.queue:
             return Wait(request_id)
+        if request_id in self._finished:  # released (or dropped) already: an admit that came late reserves nothing
+            self.counters["admit_after_release"] += 1
+            return Rejected(request_id, "the request was already released", 0.0, self.settings.retry_after_s)
         reason = self._invalid_reason(prompt_tokens, max_tokens)
         if reason is not None:
             self.counters["invalid"] += 1
@@ -310,14 +315,18 @@ class Admission:
             self.counters["release_duplicate"] += 1
             return "duplicate"
         self.counters["release_unknown"] += 1
+        self._remember(request_id, "released unadmitted")  # its admit may still be on the way: refused then
         return "unknown"
+
+    def _remember(self, request_id: str, how: str) -> None:
+        self._finished[request_id] = how
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
 
     def _drop(self, r: Reservation, how: str, now: float | None = None) -> None:
         del self.reservations[r.request_id]
         self.instances[r.instance].reserved -= r.tokens
-        self._finished[r.request_id] = how
-        while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
+        self._remember(r.request_id, how)
         if now is not None:
             self._freed.append((now, r.tokens))
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from services.decode.landing import LandingZone
 from services.decode.main import DecodeService
+from shared.bus import Subjects
 from shared.engine.engine import Engine
 from shared.logging import get_logger
 from shared.transfer import LandingSlots
@@ -19,7 +20,7 @@ from shared.transfer import LandingSlots
 
 def service_ctx(role: str, bus=None):
     if bus is None:
-        bus = SimpleNamespace(trace_context=lambda raw: None, published=[])
+        bus = SimpleNamespace(trace_context=lambda raw: None, published=[], subjects=Subjects("moorage"))
 
         async def publish(subject, msg):
             bus.published.append((subject, msg))

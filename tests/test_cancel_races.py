@@ -122,3 +122,29 @@ async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, 
     await svc.loop.stop()
     assert not svc.pending and not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+async def test_cancel_before_the_handoff_task_first_runs_frees_its_kv(engine, tiny):
+    """Found by bench/faults.py (kill -9 decode-0, in CI): a retry's Cancel arrived between the step that
+    spawned the handoff task and that task's first run. Cancelling a task that never ran skips its
+    finally, so its blocks (176 tokens) and its pending entry stayed for good."""
+    class NoSend:
+        async def send(self, *args, **kwargs):
+            raise AssertionError("a handoff cancelled before it ran must not send")
+
+    svc = PrefillService(service_ctx("prefill"), engine, sender=NoSend())
+    prompt = tiny.tokenizer.encode("hand me off, then forget me " * 3)
+    seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
+    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None, seq)
+    outputs = engine.step()
+    assert outputs[0].finish_reason == "prefilled"
+    await svc.on_outputs(outputs)  # spawns the handoff task; it has not run yet
+    (task,) = svc.tasks
+    await svc.on_cancel(Cancel("r1", "retry failed"), None)
+    svc.loop.start()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+    await _settle()
+    await svc.loop.stop()
+    assert not svc.pending and not svc.tasks
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+    engine.block_manager.check_integrity()

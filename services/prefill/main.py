@@ -33,6 +33,7 @@ class Pending:
     trace_ctx: object
     seq: Sequence | None = None          # None while its history is being restored from the pool
     handoff: asyncio.Task | None = None
+    handoff_started: bool = False        # a task cancelled before it first runs never enters its finally
     cancelled: bool = False
 
 
@@ -110,7 +111,10 @@ class PrefillService:
             return
         p.cancelled = True
         if p.handoff is not None:
-            p.handoff.cancel()  # its finally releases the blocks
+            if p.handoff_started:
+                p.handoff.cancel()  # its finally releases the blocks
+            # else it has not run yet: it sees `cancelled` first and lets go (cancelling it now would skip
+            # its finally, leaking the blocks and the pending entry: found by bench/faults.py, kill -9 decode)
         elif p.seq is not None:
             await self.loop.call(lambda: self.engine.abort(msg.request_id))
             self.pending.pop(msg.request_id, None)
@@ -181,6 +185,7 @@ class PrefillService:
         compute.end(end_time=seq.first_token_ns)
 
     async def _handoff(self, p: Pending, sources: dict) -> None:
+        p.handoff_started = True
         seq, rid = p.seq, p.seq.request_id
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources)
@@ -188,6 +193,8 @@ class PrefillService:
             span.set_attributes({"request_id": rid, "decode_instance": p.submit.decode_instance,
                                  "tokens": len(seq.prompt_ids)})
             try:
+                if p.cancelled:  # before it ever ran
+                    raise asyncio.CancelledError
                 stats = await self.sender.send(p.submit.decode_instance, rid, table, len(seq.prompt_ids), done,
                                               done_context=p.trace_ctx)  # decode.generate: under router.request
                 span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,

@@ -1,9 +1,11 @@
 """KV copy and attention kernels, and the one place that picks a backend for a device.
 
-Every backend is a module exposing four functions with the signatures of `kernels.reference`
+Every backend is a module exposing six functions with the signatures of `kernels.reference`
 (the oracle; always available, any device):
     pack_chunk(pages_s, block_ids, out=None) -> Tensor
     unpack_chunk(buf, pages_s, block_ids) -> None
+    pack_chunk_crc(pages_s, block_ids, out) -> int       (pack_chunk, and the packed bytes' CRC-32C)
+    unpack_chunk_crc(buf, pages_s, block_ids) -> int     (unpack_chunk, and buf's CRC-32C)
     gather_for_ranks(stage_pages, block_table, num_tokens, cp, layout, outs=None) -> list[Tensor]
     scatter_from_rank(buf, pages, block_table, num_tokens_rank) -> None
 
@@ -16,7 +18,7 @@ serve the device, get_kv_kernels raises instead of silently running something el
 On CPU, `cpu` (kernels/cpu_kv.py: one strided-copy C routine compiled at first use, no index tensors)
 is picked when it builds, else `reference`.
 
-Plugging in a fast backend: add the module (e.g. kernels/triton_kv.py) with the four functions,
+Plugging in a fast backend: add the module (e.g. kernels/triton_kv.py) with the six functions,
 make tests compare it against kernels.reference on the device; the entry below already points there.
 Until the module exists its predicate is false (find_spec), so nothing changes.
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 ENV_VAR = "MOORAGE_KV_KERNELS"
-_FUNCS = ("pack_chunk", "unpack_chunk", "gather_for_ranks", "scatter_from_rank")
+_FUNCS = ("pack_chunk", "unpack_chunk", "pack_chunk_crc", "unpack_chunk_crc", "gather_for_ranks", "scatter_from_rank")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class KVKernels:
     name: str
     pack_chunk: Callable
     unpack_chunk: Callable
+    pack_chunk_crc: Callable
+    unpack_chunk_crc: Callable
     gather_for_ranks: Callable
     scatter_from_rank: Callable
 

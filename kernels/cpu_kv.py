@@ -1,9 +1,13 @@
 """KV copy kernels for CPUs: two small C routines (row copies, OpenMP), called through ctypes.
 
-The four functions of kernels.reference, byte for byte the same results, without index tensors or
+The six functions of kernels.reference, byte for byte the same results, without index tensors or
 temporaries, one C call per Python call:
 - pack/unpack (`moorage_kv_blocks`): whole blocks; runs of consecutive block ids are one memcpy, and the
-  threads split the packed side's bytes evenly.
+  threads split the packed side's bytes evenly. The `_crc` pair also returns the CRC-32C of the packed
+  bytes (a pool object's checksum), computed while they are copied: the packed side is read from
+  memory once, not once to copy and once to checksum (three interleaved CRC-32C chains over L1-sized
+  steps; threads' and lanes' CRCs combined by GF(2) multiplication). Builds without the instruction
+  (no -march=native) leave those two to the reference.
 - gather/scatter (`moorage_kv_tokens`): a transpose between block pages [Ls, 2, B, H, D] (every stage)
   and token-major rank buffers [T_r, L, 2, H, D] (every rank of cp at once: each block is read once);
   rows of H*D elements, threads over blocks.
@@ -41,14 +45,15 @@ from shared.kv_layout import KVLayout
 
 
 _C_SOURCE = r"""/* KV copies as plain row copies, validated first (rc < 0 before any byte moves):
- * -2 a block id out of range, -3 a duplicate in a write target, -4 out of memory, -1 bad sizes. */
+ * -2 a block id out of range, -3 a duplicate in a write target, -4 out of memory, -1 bad sizes,
+ * -5 a CRC asked of a build without the CRC-32C instruction. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX__)
+#if defined(__AVX__) || defined(__SSE4_2__)
 #include <immintrin.h>
 #endif
 
@@ -98,6 +103,75 @@ static inline void fence(int stream) {
     (void)stream;
 }
 
+/* CRC-32C (Castagnoli, reflected: bit 31 is x^0), the pool objects' checksum, computed while copying.
+ * crc_* values are the raw register (no pre- or post-inversion), which is linear: over A then B,
+ * raw(c, AB) = raw(c, A) * x^(8|B|) ^ raw(0, B), so ranges computed apart (lanes, threads) combine. */
+#define CRC32C_POLY 0x82F63B78u
+#define CRC_STEP 4096 /* a lane's bytes per step: 3 lanes of it stay in L1 between copy and checksum */
+
+static uint32_t gf2_mul(uint32_t a, uint32_t b) { /* a * b mod P */
+    uint32_t p = 0;
+    for (int i = 0; i < 32; i++, a <<= 1) {
+        if (a & 0x80000000u) p ^= b;
+        b = (b & 1) ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+    }
+    return p;
+}
+
+static uint32_t crc_shift(uint32_t crc, int64_t nbytes) { /* crc * x^(8 nbytes) mod P */
+    uint32_t sq = 0x40000000u, x = 0x80000000u; /* x^1, x^0 */
+    for (uint64_t e = (uint64_t)nbytes * 8; e; e >>= 1, sq = gf2_mul(sq, sq))
+        if (e & 1) x = gf2_mul(x, sq);
+    return gf2_mul(crc, x);
+}
+
+#if defined(__SSE4_2__)
+#define HAVE_CRC 1
+static uint32_t crc_bytes(uint32_t c, const char *s, int64_t n) {
+    uint64_t c64 = c, v;
+    for (; n >= 8; s += 8, n -= 8) memcpy(&v, s, 8), c64 = _mm_crc32_u64(c64, v);
+    c = (uint32_t)c64;
+    for (; n > 0; n--) c = _mm_crc32_u8(c, (uint8_t)*s++);
+    return c;
+}
+
+/* Three independent CRC chains (the instruction's latency is 3 cycles, its throughput 1); n % 8 == 0. */
+static void crc_3lanes(uint32_t *c, const char *a, const char *b, const char *d, int64_t n) {
+    uint64_t x = c[0], y = c[1], z = c[2], u, v, w;
+    for (int64_t i = 0; i < n; i += 8) {
+        memcpy(&u, a + i, 8), memcpy(&v, b + i, 8), memcpy(&w, d + i, 8);
+        x = _mm_crc32_u64(x, u), y = _mm_crc32_u64(y, v), z = _mm_crc32_u64(z, w);
+    }
+    c[0] = (uint32_t)x, c[1] = (uint32_t)y, c[2] = (uint32_t)z;
+}
+
+/* Copies n bytes and returns raw(c, s[0..n)): three lanes, each copied a step at a time and then
+ * checksummed while the step is still in L1 (the source is read from memory once). */
+static uint32_t copy_crc(char *d, const char *s, int64_t n, int stream, uint32_t c) {
+    int64_t lane = (n / 3) & ~(int64_t)63;
+    if (lane < CRC_STEP) {
+        copy_bytes(d, s, n, stream);
+        return crc_bytes(c, s, n);
+    }
+    uint32_t cs[3] = {c, 0, 0};
+    for (int64_t i = 0; i < lane; i += CRC_STEP) {
+        int64_t m = lane - i < CRC_STEP ? lane - i : CRC_STEP;
+        for (int L = 0; L < 3; L++) copy_bytes(d + L * lane + i, s + L * lane + i, m, stream);
+        crc_3lanes(cs, s + i, s + lane + i, s + 2 * lane + i, m);
+    }
+    int64_t rest = n - 3 * lane; /* lane 3's bytes past 3 * lane: the tail, after it */
+    copy_bytes(d + 3 * lane, s + 3 * lane, rest, stream);
+    cs[2] = crc_bytes(cs[2], s + 3 * lane, rest);
+    return crc_shift(crc_shift(cs[0], lane) ^ cs[1], lane + rest) ^ cs[2];
+}
+#else
+#define HAVE_CRC 0
+static uint32_t copy_crc(char *d, const char *s, int64_t n, int stream, uint32_t c) {
+    (void)d, (void)s, (void)n, (void)stream;
+    return c;
+}
+#endif
+
 static int threads_for(int64_t bytes, int64_t min_split, int nthreads) {
 #ifdef _OPENMP
     return bytes < min_split || nthreads < 1 ? 1 : nthreads;
@@ -114,14 +188,23 @@ static int stream_for(int64_t bytes, int64_t stream_bytes) {
 }
 
 /* Whole blocks. pack: dst[k] = src[ids[k]]; unpack: dst[ids[k]] = src[k]. Threads split the packed
- * side's bytes evenly; consecutive ids are one copy. */
+ * side's bytes evenly; consecutive ids are one copy. crc (may be NULL): gets the CRC-32C of the packed
+ * side's bytes, computed as they are copied (-5 before any byte moves when this build has no CRC
+ * instruction). */
+#define MAX_CRC_THREADS 256
 int moorage_kv_blocks(const char *src, char *dst, const int64_t *ids, int64_t n, int64_t num_blocks,
-                      int64_t block_bytes, int unpack, int64_t min_split, int64_t stream_bytes, int nthreads) {
+                      int64_t block_bytes, int unpack, int64_t min_split, int64_t stream_bytes, int nthreads,
+                      uint32_t *crc) {
     if (n < 0 || block_bytes < 0 || num_blocks < 0) return -1;
+    if (crc && !HAVE_CRC) return -5;
     int rc = check_ids(ids, n, num_blocks, unpack);
-    if (rc || n == 0 || block_bytes == 0) return rc;
+    if (rc) return rc;
+    if (crc) *crc = 0; /* the CRC-32C of no bytes */
+    if (n == 0 || block_bytes == 0) return 0;
     int64_t total = n * block_bytes;
-    int nt = threads_for(total, min_split, nthreads), stream = stream_for(total, stream_bytes);
+    int nt = threads_for(total, min_split, nthreads), stream = stream_for(total, stream_bytes), used = 1;
+    if (nt > MAX_CRC_THREADS) nt = MAX_CRC_THREADS;
+    uint32_t part[MAX_CRC_THREADS]; /* raw CRC of each thread's range */
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -129,17 +212,31 @@ int moorage_kv_blocks(const char *src, char *dst, const int64_t *ids, int64_t n,
 #ifdef _OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
 #endif
+        if (t == 0) used = T;
+        uint32_t c = 0;
         int64_t lo = total / T * t + (total % T) * t / T, hi = total / T * (t + 1) + (total % T) * (t + 1) / T;
         while (lo < hi) {
             int64_t k = lo / block_bytes, off = lo % block_bytes, first = k, len = block_bytes - off;
             while (lo + len < hi && k + 1 < n && ids[k + 1] == ids[k] + 1) k++, len += block_bytes;
             if (len > hi - lo) len = hi - lo;
             char *paged = (unpack ? dst : (char *)src) + ids[first] * block_bytes + off;
-            if (unpack) copy_bytes(paged, src + lo, len, stream);
-            else copy_bytes(dst + lo, paged, len, stream);
+            char *d = unpack ? paged : dst + lo;
+            const char *s = unpack ? src + lo : paged;
+            if (crc) c = copy_crc(d, s, len, stream, c);
+            else copy_bytes(d, s, len, stream);
             lo += len;
         }
+        part[t] = c;
         fence(stream);
+    }
+    if (crc) {
+        uint32_t c = 0xFFFFFFFFu;
+        for (int t = 0; t < used; t++) {
+            int64_t lo = total / used * t + (total % used) * t / used;
+            int64_t hi = total / used * (t + 1) + (total % used) * (t + 1) / used;
+            c = crc_shift(c, hi - lo) ^ part[t];
+        }
+        *crc = ~c;
     }
     return 0;
 }
@@ -194,7 +291,7 @@ int moorage_kv_tokens(int to_pages, char *const *pages, const int64_t *planes, i
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _TOKENS_ARGS = [_INT, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT]
-_BLOCKS_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64, _I64, _INT]
+_BLOCKS_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64, _I64, _INT, _PTR]
 KERNEL = CKernel("kv_copy", _C_SOURCE, "moorage_kv_tokens", _TOKENS_ARGS, list(_FLAG_SETS), base_flags=_BASE_FLAGS,
                  what="CPU KV copy kernel", more={"moorage_kv_blocks": _BLOCKS_ARGS})
 _load, available = KERNEL.load, KERNEL.available
@@ -255,10 +352,10 @@ def _buf_ok(b: torch.Tensor, like: torch.Tensor, numel: int) -> bool:
 
 
 def _blocks(src: torch.Tensor, dst: torch.Tensor, ids: tuple[int, int, object], pages: torch.Tensor,
-            block_numel: int, unpack: int) -> int:
+            block_numel: int, unpack: int, crc: ctypes.c_uint32 | None = None) -> int:
     fn = KERNEL.symbol_fn("moorage_kv_blocks")
     return fn(src.data_ptr(), dst.data_ptr(), ids[0], ids[1], pages.shape[0], block_numel * pages.element_size(),
-              unpack, MIN_SPLIT_BYTES, STREAM_BYTES, _nthreads())
+              unpack, MIN_SPLIT_BYTES, STREAM_BYTES, _nthreads(), None if crc is None else ctypes.byref(crc))
 
 
 def _chunk_ok(pages_s: torch.Tensor, buf: torch.Tensor | None, ids: tuple[int, int, object] | None) -> int:
@@ -287,6 +384,26 @@ def unpack_chunk(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike)
         return _ref.unpack_chunk(buf, pages_s, block_ids)
     if _blocks(buf, pages_s, ids, pages_s, block_numel, 1) != 0:  # an id out of range or repeated (or no memory)
         return _ref.unpack_chunk(buf, pages_s, block_ids)  # raises the reference's ValueError
+
+
+def pack_chunk_crc(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor) -> int:
+    """pack_chunk into `out`, returning the CRC-32C of the packed bytes, computed as they are copied."""
+    ids = _ids(block_ids)
+    block_numel = _chunk_ok(pages_s, out, ids)
+    crc = ctypes.c_uint32()
+    if not block_numel or _blocks(pages_s, out, ids, pages_s, block_numel, 0, crc) != 0:
+        return _ref.pack_chunk_crc(pages_s, block_ids, out)  # no CRC instruction, or the reference's error
+    return crc.value
+
+
+def unpack_chunk_crc(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> int:
+    """unpack_chunk, returning the CRC-32C of `buf`'s bytes, computed as they are copied (read once)."""
+    ids = _ids(block_ids)
+    block_numel = _chunk_ok(pages_s, buf, ids)
+    crc = ctypes.c_uint32()
+    if not block_numel or _blocks(buf, pages_s, ids, pages_s, block_numel, 1, crc) != 0:
+        return _ref.unpack_chunk_crc(buf, pages_s, block_ids)  # no CRC instruction, or the reference's error
+    return crc.value
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import crc32c
 import torch
 
 from shared.kv_layout import KVLayout
@@ -97,6 +98,22 @@ def unpack_chunk(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike)
     ids = _as_ids(block_ids, pages_s.shape[0], pages_s.device, "unpack_chunk", unique=True)
     src = _as_view(buf, (ids.numel(), *pages_s.shape[1:]), pages_s, "unpack_chunk buf")
     pages_s.index_copy_(0, ids, src)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return crc32c.crc32c(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())
+
+
+def pack_chunk_crc(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor) -> int:
+    """pack_chunk into `out`; returns the CRC-32C of the packed bytes (a pool object's payload checksum)."""
+    return _crc(pack_chunk(pages_s, block_ids, out=out))
+
+
+def unpack_chunk_crc(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> int:
+    """unpack_chunk; returns the CRC-32C of `buf`'s bytes. A caller that finds it wrong must not use the
+    blocks written (they hold the bad bytes): a restore releases them unregistered."""
+    unpack_chunk(buf, pages_s, block_ids)
+    return _crc(buf)
 
 
 def validate_gather(stage_pages: list[torch.Tensor], block_table: IndexLike, num_tokens: int, cp: int,

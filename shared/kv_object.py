@@ -53,8 +53,10 @@ def write_header(dst: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> None:
     dst[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def verify(obj: torch.Tensor, spec: ObjectSpec) -> str | None:
-    """None when `obj` (uint8, header + payload) is exactly the object `spec` names; else why not."""
+def verify(obj: torch.Tensor, spec: ObjectSpec, payload_crc: int | None = None) -> str | None:
+    """None when `obj` (uint8, header + payload) is exactly the object `spec` names; else why not.
+    payload_crc: the payload's CRC-32C when the caller computed it already (a restore does, while it
+    unpacks the payload: kernels' unpack_chunk_crc); else it is computed here."""
     if obj.numel() != HEADER_BYTES + spec.payload_bytes:
         return f"size {obj.numel()} != {HEADER_BYTES + spec.payload_bytes}"
     magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
@@ -67,6 +69,6 @@ def verify(obj: torch.Tensor, spec: ObjectSpec) -> str | None:
     want = (spec.namespace, spec.digest, spec.stage, spec.stages, spec.tokens, spec.payload_bytes)
     if got != want:
         return f"header names another object: {got[1].hex()[:8]} s{got[2]}of{got[3]} in {got[0]}"
-    if checksum(obj[HEADER_BYTES:]) != crc:
+    if (checksum(obj[HEADER_BYTES:]) if payload_crc is None else payload_crc) != crc:
         return "payload checksum mismatch"
     return None

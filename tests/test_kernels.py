@@ -424,3 +424,88 @@ def test_one_thread_gather_equals_reference():
     with cpu_kv.threads(1):
         got = cpu_kv.gather_for_ranks(pages, table, 470, 1, layout, first=3)
     assert torch.equal(got[0], ref.gather_for_ranks(pages, table, 470, 1, layout, first=3)[0])
+
+
+# pack/unpack with the packed bytes' CRC-32C (a pool object's payload checksum), computed while copying
+CRC_LAYOUTS = [KVLayout(num_layers=3, num_kv_heads=3, head_dim=5),            # odd rows: splits mid-row
+               KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16),  # 32 KiB blocks
+               KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)]          # SmolLM2's: 720 KiB blocks
+
+
+def _crc32c(t: torch.Tensor) -> int:
+    import crc32c
+
+    return crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("layout_i", range(len(CRC_LAYOUTS)))
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8, 9], [3, 4, 9, 10, 11, 0, 1, 20], [7], []],
+                         ids=["one-run", "runs", "single", "empty"])
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_pack_and_unpack_crc_equal_crc32c_of_the_packed_bytes(kv, layout_i, ids):
+    """The long runs take three interleaved CRC chains, combined; short ones one chain: either way the
+    crc32c package's CRC of the packed bytes, and the same bytes copied as pack_chunk/unpack_chunk."""
+    layout = CRC_LAYOUTS[layout_i]
+    (pages,) = _random_pages(layout, 24, seed=layout_i)
+    out = torch.empty((len(ids), *pages.shape[1:]), dtype=layout.dtype)
+    crc = kv.pack_chunk_crc(pages, ids, out)
+    assert torch.equal(out, ref.pack_chunk(pages, ids)) and crc == _crc32c(out)
+    dst = _poison(pages.shape, layout.dtype)
+    assert kv.unpack_chunk_crc(out.flatten(), dst, [(i + 1) % 24 for i in ids]) == crc
+    want = _poison(pages.shape, layout.dtype)
+    ref.unpack_chunk(out, want, [(i + 1) % 24 for i in ids])
+    assert torch.equal(dst.nan_to_num(0.5), want.nan_to_num(0.5))
+    if ids:
+        out.view(torch.uint8).reshape(-1)[-1] ^= 1  # one bit of the last byte: another CRC
+        assert kv.unpack_chunk_crc(out, dst, ids) != crc
+
+
+@needs_cpu
+@pytest.mark.parametrize("knobs", KNOBS, ids=["stream", "threads", "one-thread"])
+def test_cpu_crc_split_over_threads_anywhere_equals_crc32c(monkeypatch, knobs):
+    """Three threads split the bytes mid-block and mid-run; their CRCs combine to the whole's."""
+    _knobs(monkeypatch, knobs)
+    layout = CRC_LAYOUTS[1]
+    (pages,) = _random_pages(layout, 24, seed=3)
+    ids = [2, 3, 4, 5, 11, 12, 0]
+    out = torch.empty((len(ids), *pages.shape[1:]), dtype=layout.dtype)
+    assert cpu_kv.pack_chunk_crc(pages, ids, out) == _crc32c(ref.pack_chunk(pages, ids))
+    assert cpu_kv.unpack_chunk_crc(out, pages.clone(), list(range(7))) == _crc32c(out)
+
+
+@needs_cpu
+def test_cpu_crc_bad_ids_raise_the_reference_error_before_writing():
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    (pages,) = _random_pages(layout, 8)
+    before = pages.clone()
+    buf = torch.ones(3 * pages[0].numel())
+    for bad, match in (([1, 2, 8], "out of range"), ([1, 5, 1], "duplicate")):
+        with pytest.raises(ValueError, match=match):
+            cpu_kv.unpack_chunk_crc(buf, pages, bad)
+    assert torch.equal(pages, before)
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kv.pack_chunk_crc(pages, [0, 9, 1], buf)
+
+
+@needs_cpu
+def test_a_build_without_the_crc_instruction_refuses_a_crc_before_copying():
+    """Without -march=native there is no CRC-32C instruction: the C routine answers -5 and moves no
+    byte, so cpu_kv's crc functions take the reference's path (still the right CRC)."""
+    plain = cbuild.CKernel("kv_copy_nocrc", cpu_kv._C_SOURCE, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
+                           [["-fopenmp"], ["-fopenmp-simd"]], base_flags=cpu_kv._BASE_FLAGS,
+                           more={"moorage_kv_blocks": cpu_kv._BLOCKS_ARGS})
+    assert plain.available()
+    fn = plain.symbol_fn("moorage_kv_blocks")
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    (pages,) = _random_pages(layout, 4)
+    out = torch.zeros(2 * pages[0].numel())
+    ids = torch.tensor([1, 2])
+    import ctypes
+
+    crc = ctypes.c_uint32(7)
+    assert fn(pages.data_ptr(), out.data_ptr(), ids.data_ptr(), 2, 4, pages[0].numel() * 4, 0, 0, 1 << 62, 1,
+              ctypes.byref(crc)) == -5
+    assert crc.value == 7 and not out.any()
+    assert fn(pages.data_ptr(), out.data_ptr(), ids.data_ptr(), 2, 4, pages[0].numel() * 4, 0, 0, 1 << 62, 1,
+              None) == 0
+    assert torch.equal(out, pages[[1, 2]].flatten())

@@ -312,6 +312,10 @@ async def test_corrupt_object_in_a_later_batch_ends_the_restore_before_it(restor
     restored = await conn.restore("r", prompt, None)
     assert restored.token_range == (0, 3 * CHUNK) and conn.counters["verify_failures"] == 1
     assert conn.counters["restore_partial"] == 1
+    # the bad chunk was unpacked before its checksum was known: its blocks must not be findable
+    ns = engine.kv_namespace("")
+    match = await loop.call_now(lambda: engine.block_manager.match_prefix(prompt, len(prompt) - 1, seed=ns.seed))
+    assert match.num_tokens == 3 * CHUNK
     assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
     assert engine.block_manager.num_free_blocks == 24
 

@@ -6,7 +6,11 @@ the pool (a chunk counts only if every stage holds its object, errors count as "
 zero-copy into a registered buffer; verify header and checksum; unpack into fresh blocks and register
 them in the device prefix index. A chunk that fails ends the restore there: later tokens are computed.
 Reads are pipelined: the next batch of chunks is read into the second of two registered buffers while
-this one is verified (CRC-32C) and unpacked, in one worker call per batch.
+this one is verified (CRC-32C) and unpacked, in one worker call per batch. The checksum is computed as
+the payload is unpacked (one pass over the bytes, kernels' unpack_chunk_crc), so a chunk's blocks are
+written before its verdict is known: a chunk that fails leaves them unregistered, and they go back to
+the free list with the rest of the restore's unused blocks. Only verified chunks' blocks ever enter the
+prefix index.
 Save (after the first token, deferred to idle time, batched: services/prefill/pool_save.py): every full
 prompt chunk the pool lacks is packed per stage and put with the chunk's digest as its group id (a
 chunk's stages are evicted together). The blocks being saved hold a reference of their own until the
@@ -250,8 +254,10 @@ class PoolConnector:
 
     def _verify_unpack(self, digests: list[bytes], got: list[int], buf: int, blocks: list[int],
                        ns: KVNamespace) -> "BatchDone":
-        """In a worker thread: per chunk, in order, every stage's object read whole and verified, then
-        unpacked into its blocks. Stops at the first chunk that is not (nothing of it is unpacked)."""
+        """In a worker thread: per chunk, in order, every stage's object read whole, unpacked into the
+        chunk's blocks and verified (header, and the CRC-32C computed while unpacking). Stops at the
+        first chunk that is not good; its blocks then hold bytes nobody may use (the caller does not
+        register them)."""
         bpc, S, off, stage_ms = self.blocks_per_chunk, self.stages, 0, [0.0] * self.stages
         views = []
         for _ in digests:
@@ -259,21 +265,18 @@ class PoolConnector:
                 views.append(self.restore_bufs[buf][off:off + self.obj_bytes[s]])
                 off += self.obj_bytes[s]
         for c, d in enumerate(digests):
-            for s in range(S):  # all stages first: a chunk is restored whole or not at all
+            for s in range(S):
                 i = c * S + s
                 if got[i] != self.obj_bytes[s]:  # gone (store died, evicted) or unreadable: a miss from here on
                     return BatchDone(c, stage_ms, (self.keys(d, ns)[s], got[i], False))
                 t = time.perf_counter()
-                why = verify(views[i], self.spec(d, s, ns))
+                payload = views[i][HEADER_BYTES:].view(self.layout.dtype)
+                with copy_threads(self.copy_threads):
+                    crc = self.kernels.unpack_chunk_crc(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
+                why = verify(views[i], self.spec(d, s, ns), payload_crc=crc)
                 stage_ms[s] += (time.perf_counter() - t) * 1e3
                 if why is not None:
                     return BatchDone(c, stage_ms, (self.keys(d, ns)[s], why, True))
-            for s in range(S):
-                t = time.perf_counter()
-                payload = views[c * S + s][HEADER_BYTES:].view(self.layout.dtype)
-                with copy_threads(self.copy_threads):
-                    self.kernels.unpack_chunk(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
-                stage_ms[s] += (time.perf_counter() - t) * 1e3
         return BatchDone(len(digests), stage_ms, None)
 
     # ---- save (services/prefill/pool_save.py) -------------------------------------------------------

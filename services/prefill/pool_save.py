@@ -29,7 +29,7 @@ import torch
 
 from shared.engine.loop import EngineLoopDead
 from shared.hashing import chunk_hashes
-from shared.kv_object import HEADER_BYTES, checksum, write_header
+from shared.kv_object import HEADER_BYTES, write_header
 from shared.kv_tenant import KVNamespace
 from shared.logging import get_logger
 from shared.tracing import get_tracer
@@ -153,9 +153,9 @@ class PoolSaver:
             for c, (d, blocks) in enumerate(zip(digests, chunks)):
                 for s in range(S):
                     obj = views[c * S + s]
-                    payload = obj[HEADER_BYTES:]
-                    conn.kernels.pack_chunk(self.engine.pages[s], blocks, out=payload.view(conn.layout.dtype))
-                    write_header(obj, conn.spec(d, s, ns), checksum(payload))
+                    payload = obj[HEADER_BYTES:].view(conn.layout.dtype)
+                    crc = conn.kernels.pack_chunk_crc(self.engine.pages[s], blocks, payload)  # one pass
+                    write_header(obj, conn.spec(d, s, ns), crc)
 
         await finish_in_thread(pack)
         await self._pace(off)

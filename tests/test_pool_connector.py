@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.prefill.config import PoolSettings
-from services.prefill.pool import PoolConnector
+from services.prefill.pool import PoolConnector, batch_plan
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.loop import EngineLoop
 from shared.engine.sampling import SamplingParams
@@ -290,12 +290,32 @@ async def test_a_chunk_whose_put_failed_is_removed_whole_and_not_counted(saving)
 
 
 # ---- restores: pipelined batches --------------------------------------------------------------------
-async def test_pipelined_restore_in_small_batches_matches_scratch(restoring, tiny):
+def test_batch_plan_ends_with_a_batch_of_one_chunk():
+    """Nothing overlaps the last batch's verify + unpack: it is one chunk, whatever the batch size."""
+    assert batch_plan(0, 4) == []
+    assert batch_plan(1, 4) == [(0, 1)]
+    assert batch_plan(2, 4) == [(0, 1), (1, 1)]
+    assert batch_plan(8, 4) == [(0, 4), (4, 3), (7, 1)]
+    assert batch_plan(9, 4) == [(0, 4), (4, 4), (8, 1)]
+    assert batch_plan(5, 1) == [(i, 1) for i in range(5)]
+    for n in range(40):
+        for size in (1, 2, 3, 4, 7):
+            plan = batch_plan(n, size)
+            assert [b0 for b0, _ in plan] == [sum(k for _, k in plan[:i]) for i in range(len(plan))]
+            assert sum(k for _, k in plan) == n and all(1 <= k <= size for _, k in plan)
+            assert not plan or plan[-1][1] == 1
+
+
+@pytest.mark.parametrize("size,reads", [(2, [2, 2, 1]), (3, [3, 1, 1]), (8, [4, 1])])
+async def test_pipelined_restore_in_small_batches_matches_scratch(restoring, tiny, size, reads):
     engine, loop, connector = restoring
-    conn = connector(restore_batch_chunks=2)  # 5 chunks: batches of 2, 2, 1
+    conn = connector(restore_batch_chunks=size)  # 5 chunks
+    calls, plain = [], conn.client.get_into
+    conn.client.get_into = lambda keys, addrs, sizes: calls.append(len(keys)) or plain(keys, addrs, sizes)
     prompt = prompt_ids(7, PROMPT) + prompt_ids(8, 20)
     restored = await conn.restore("r", prompt, None)
     assert restored.token_range == (0, 5 * CHUNK) and conn.counters["restored_chunks"] == 5
+    assert calls == reads
     assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
 
 

@@ -44,6 +44,17 @@ tracer = get_tracer("moorage.prefill.pool")
 log = get_logger("prefill.pool")
 
 
+def batch_plan(chunks: int, size: int) -> list[tuple[int, int]]:
+    """(first chunk, count) of each batched read: batches of `size`, but the last chunk is a batch of its
+    own. Nothing overlaps the last batch's verify + unpack, so it should be short: one chunk (~2-4 ms)
+    rather than `size` (measured 13 ms of a 2K restore's ~100 ms), for one more read call."""
+    plan = [(b0, min(size, chunks - b0)) for b0 in range(0, chunks, size)]
+    if plan and plan[-1][1] > 1:
+        b0, n = plan.pop()
+        plan += [(b0, n - 1), (b0 + n - 1, 1)]
+    return plan
+
+
 @dataclass
 class Restored:
     pinned: list[int]             # block references handed to the engine with the request
@@ -212,8 +223,8 @@ class PoolConnector:
         """Reads the chunks in batches, batch i+1 while batch i is verified and unpacked (in order: a
         chunk is unpacked only when every chunk before it was good); returns how many leading chunks
         are good (restored into their blocks). timing["read_wait_ms"]: time spent waiting for reads."""
-        size, bpc = self.settings.restore_batch_chunks, self.blocks_per_chunk
-        batches = [digests[b0:b0 + size] for b0 in range(0, len(digests), size)]
+        bpc = self.blocks_per_chunk
+        batches = [digests[b0:b0 + n] for b0, n in batch_plan(len(digests), self.settings.restore_batch_chunks)]
         reading = self._read(batches[0], 0, ns) if batches else None
         good = 0
         try:

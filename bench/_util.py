@@ -89,7 +89,10 @@ def report(r: dict) -> str:
                        "ratio (median)"],
                       [[x["label"], x["bytes"] / 1e6, x["iters"], f"{x['GBps']:.3g} ({x['best_GBps']:.3g})",
                         f"{x['copy_GBps']:.3g} ({x['copy_best_GBps']:.3g})", x["ratio_vs_copy"]]
-                       for x in r["kernels"]])]
+                       for x in r["kernels"]]), "",
+             md_table(["one pass (copy + CRC-32C)", "MB", "GB/s", "two passes GB/s", "speed-up"],
+                      [[x["label"], x["bytes"] / 1e6, x["GBps"], x["unfused_GBps"], x["ratio_vs_unfused"]]
+                       for x in r["kernels"] if "unfused_GBps" in x])]
     return "\n".join(parts + ["", "Notes: " + "; ".join(r["notes"])])
 
 

@@ -52,6 +52,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.models import load_model, smollm2_gguf_path
 from shared.engine.sampling import SamplingParams
 from shared.kv_layout import KVLayout, allocate_pages
+from shared.kv_object import checksum
 
 SEED = 20240601
 SMOL = "smollm2-135m"
@@ -162,11 +163,14 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
     K, g, rows = get_kv_kernels("cpu"), torch.Generator().manual_seed(SEED + 1), []
     timing = (p["kernel_budget_s"], p["kernel_min_iters"], p["kernel_max_iters"])
 
-    def record(kernel, label, dtype, nbytes, fn, **extra):
+    def record(kernel, label, dtype, nbytes, fn, unfused=None, **extra):
+        """unfused: the same work as two passes (a copy kernel, then crc32c of the packed bytes), timed too."""
         src = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
         dst = torch.empty_like(src)  # plain contiguous copy of identical byte size, interleaved with the kernel
-        k, c = time_calls([fn, lambda: dst.copy_(src)], *timing)
+        k, c, *u = time_calls([fn, lambda: dst.copy_(src)] + ([unfused] if unfused else []), *timing)
         gbps, cgbps = nbytes / k["median_s"] / 1e9, nbytes / c["median_s"] / 1e9
+        if u:
+            extra.update(unfused_GBps=nbytes / u[0]["median_s"] / 1e9, ratio_vs_unfused=u[0]["median_s"] / k["median_s"])
         rows.append({"kernel": kernel, "label": label, "kv_dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
                      "iters": k["iters"], "median_s": k["median_s"], "min_s": k["min_s"], "GBps": gbps,
                      "best_GBps": nbytes / k["min_s"] / 1e9, "copy_median_s": c["median_s"], "copy_GBps": cgbps,
@@ -185,6 +189,14 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
                              ("unpack_chunk", lambda: K.unpack_chunk(buf, pages, ids))):
                 record(name, f"{name.split('_')[0]} {short} st{stages}", dtype, lay.chunk_payload_bytes(0), fn,
                        stages=stages, layers_in_stage=len(lay.stage_layers(0)), tokens=256)
+            if stages == 1:  # a pool object's payload: copied and checksummed in one pass, vs the two passes
+                for name, fn, unfused in (
+                        ("pack_chunk_crc", lambda: K.pack_chunk_crc(pages, ids, buf),
+                         lambda: checksum(K.pack_chunk(pages, ids, out=buf).view(torch.uint8))),
+                        ("unpack_chunk_crc", lambda: K.unpack_chunk_crc(buf, pages, ids),
+                         lambda: (K.unpack_chunk(buf, pages, ids), checksum(buf.view(torch.uint8))))):
+                    record(name, f"{name.split('_')[0]}+crc {short} st1", dtype, lay.chunk_payload_bytes(0), fn,
+                           unfused=unfused, stages=1, layers_in_stage=len(lay.stage_layers(0)), tokens=256)
             del pages, buf
         lay = KVLayout(L, H, D, dtype=dtype)
         row = L * 2 * H * D

@@ -75,7 +75,7 @@ static int check_ids(const int64_t *ids, int64_t n, int64_t num_blocks, int uniq
 
 /* n bytes; stream: non-temporal stores for the 64-byte-aligned middle of the destination (no read of
  * each destination line before it is overwritten: 2 memory transfers a byte instead of 3). */
-static inline void copy_bytes(char *d, const char *s, int64_t n, int stream) {
+static inline __attribute__((always_inline)) void copy_bytes(char *d, const char *s, int64_t n, int stream) {
 #if defined(__AVX__)
     if (stream && n >= 256) {
         int64_t head = (int64_t)((64 - ((uintptr_t)d & 63)) & 63);

@@ -386,24 +386,28 @@ def unpack_chunk(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike)
         return _ref.unpack_chunk(buf, pages_s, block_ids)  # raises the reference's ValueError
 
 
+def _copy_crc(pages_s: torch.Tensor, packed: torch.Tensor, block_ids: IndexLike, unpack: int) -> int | None:
+    """The CRC-32C of `packed`, computed as it is copied from (pack) or into (unpack) the blocks; None when
+    the reference must do it (no CRC instruction in this build, odd arguments, or its error to raise)."""
+    ids = _ids(block_ids)
+    block_numel = _chunk_ok(pages_s, packed, ids)
+    crc = ctypes.c_uint32()
+    src, dst = (packed, pages_s) if unpack else (pages_s, packed)
+    if not block_numel or _blocks(src, dst, ids, pages_s, block_numel, unpack, crc) != 0:
+        return None
+    return crc.value
+
+
 def pack_chunk_crc(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor) -> int:
     """pack_chunk into `out`, returning the CRC-32C of the packed bytes, computed as they are copied."""
-    ids = _ids(block_ids)
-    block_numel = _chunk_ok(pages_s, out, ids)
-    crc = ctypes.c_uint32()
-    if not block_numel or _blocks(pages_s, out, ids, pages_s, block_numel, 0, crc) != 0:
-        return _ref.pack_chunk_crc(pages_s, block_ids, out)  # no CRC instruction, or the reference's error
-    return crc.value
+    crc = _copy_crc(pages_s, out, block_ids, 0)
+    return _ref.pack_chunk_crc(pages_s, block_ids, out) if crc is None else crc
 
 
 def unpack_chunk_crc(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> int:
     """unpack_chunk, returning the CRC-32C of `buf`'s bytes, computed as they are copied (read once)."""
-    ids = _ids(block_ids)
-    block_numel = _chunk_ok(pages_s, buf, ids)
-    crc = ctypes.c_uint32()
-    if not block_numel or _blocks(buf, pages_s, ids, pages_s, block_numel, 1, crc) != 0:
-        return _ref.unpack_chunk_crc(buf, pages_s, block_ids)  # no CRC instruction, or the reference's error
-    return crc.value
+    crc = _copy_crc(pages_s, buf, block_ids, 1)
+    return _ref.unpack_chunk_crc(buf, pages_s, block_ids) if crc is None else crc
 
 
 @functools.lru_cache(maxsize=64)

@@ -34,6 +34,18 @@ def test_flipped_payload_bit_is_rejected():
     assert verify(obj, SPEC) == "payload checksum mismatch"
 
 
+def test_a_crc_computed_by_the_caller_is_the_one_compared():
+    """A restore checksums the payload while unpacking it and hands verify that CRC: verify then trusts
+    it (and does not read the payload again), and still checks every header field."""
+    obj = make()
+    good = checksum(obj[HEADER_BYTES:])
+    assert verify(obj, SPEC, payload_crc=good) is None
+    assert verify(obj, SPEC, payload_crc=good ^ 1) == "payload checksum mismatch"
+    obj[HEADER_BYTES + 1000] ^= 4  # the bytes changed after the caller's CRC: not verify's to see
+    assert verify(obj, SPEC, payload_crc=good) is None
+    assert "another object" in verify(make(), ObjectSpec(**{**SPEC.__dict__, "stage": 0}), payload_crc=good)
+
+
 def test_wrong_size_and_garbage_are_rejected():
     assert "size" in verify(make()[:-1], SPEC)
     assert verify(torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8), SPEC) == "not a moorage KV object"

@@ -63,6 +63,19 @@ ROUTER_STAGES = (
     ("collect + shape body", "first_chunk", "responding"),
     ("http out: response -> client", "responding", "client_recv"),
 )
+# Overlapped admission (router.overlap_admission, the default when the gate has room): the submit goes out
+# while the gate decides; `started` = whichever of the gate's reply and prefill's Ack came last.
+OVERLAP_STAGES = ROUTER_STAGES[:3] + (
+    ("subscribe token subject", "routed", "subscribed"),
+    ("admit || submit: until both the gate's reply and the Ack are in", "subscribed", "started"),
+    ("DecodeAssign to prefill (publish)", "started", "assigned"),
+    ("assigned -> first chunk (rest of prefill work + relay)", "assigned", "first_chunk"),
+) + ROUTER_STAGES[-2:]
+# Beside the overlapped path (not in its sum): the two round trips it runs at once.
+BESIDE_STAGES = (
+    ("(beside) admit: router -> gate -> router", "subscribed", "admitted"),
+    ("(beside) submit + Ack round trip", "subscribed", "acked"),
+)
 # After the response went out (off the request's latency, not in the sum): unsubscribe, Release, metrics, span end.
 AFTER_STAGES = (("after the response: unsubscribe, Release, metrics, span end, log", "responding", "span_end"),)
 DIRECT_STAGES = (
@@ -200,8 +213,11 @@ def wait_router_spans(path: Path, rids: set[str], timeout: float = 30.0) -> dict
 
 def breakdown(over: dict, traces: Path) -> dict:
     """Per-stage p50 / p90 (ms) of the router path (from its traces) and of the direct path."""
+    """Per-stage p50 / p90 (ms) of the router path (from its traces) and of the direct path. Requests admitted
+    sequentially and overlapped have stages of their own (`modes` counts each); "(beside)" rows are not in the sum."""
     spans = wait_router_spans(traces, {m["rid"] for m in over["router_marks"]})
-    rows: dict[str, list[float]] = {name: [] for name, _, _ in ROUTER_STAGES + AFTER_STAGES}
+    rows: dict[str, list[float]] = {}
+    modes = {"sequential": 0, "overlapped": 0}
     for m in over["router_marks"]:
         sp = spans[m["rid"]]
         marks = {**m, "span_start": sp["router"]["start_ns"], "span_end": sp["router"]["end_ns"],
@@ -210,15 +226,23 @@ def breakdown(over: dict, traces: Path) -> dict:
                                   sp["gate"]["end_ns"]),
                  **{e["name"]: e["time_ns"] for e in sp["router"]["events"]}}
         marks.setdefault("responding", marks["span_end"])  # a router that answered after ending its span
-        for name, a, b in ROUTER_STAGES + AFTER_STAGES:
-            rows[name].append((marks[b] - marks[a]) / 1e6)
+        mode = sp["router"]["attributes"].get("admission", "sequential")
+        modes[mode] += 1
+        if mode == "overlapped":
+            marks["started"] = max(marks["admitted"], marks["acked"])
+            stages = OVERLAP_STAGES + BESIDE_STAGES + AFTER_STAGES
+        else:
+            stages = ROUTER_STAGES + AFTER_STAGES
+        for name, a, b in stages:
+            rows.setdefault(name, []).append((marks[b] - marks[a]) / 1e6)
     direct = {name: [(m[b] - m[a]) / 1e6 for m in over["direct_marks"]] for name, a, b in DIRECT_STAGES}
 
     def stats(xs: list[float]) -> dict:
         return {"p50_ms": float(np.percentile(xs, 50)), "p90_ms": float(np.percentile(xs, 90)),
                 "mean_ms": float(np.mean(xs))}
 
-    return {"router": {k: stats(v) for k, v in rows.items()}, "direct": {k: stats(v) for k, v in direct.items()}}
+    return {"modes": modes, "router": {k: stats(v) for k, v in rows.items()},
+            "direct": {k: stats(v) for k, v in direct.items()}}
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -300,7 +324,9 @@ def table(o: dict) -> str:
         return t
     rows = [[f"(a) {k}", v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["router"].items()]
     rows += [["(b) " + k, v["p50_ms"], v["p90_ms"], v["mean_ms"]] for k, v in b["direct"].items()]
-    return t + "\n\nBreakdown (per stage over requests; stages of a path add up to its latency):\n\n" + md_table(
+    modes = ", ".join(f"{k} {v}" for k, v in b.get("modes", {}).items())
+    return t + (f"\n\nBreakdown (per stage over requests; stages of a path add up to its latency, \"(beside)\" rows "
+                f"run inside them; router admissions: {modes}):\n\n") + md_table(
         ["stage", "p50 ms", "p90 ms", "mean ms"], rows)
 
 

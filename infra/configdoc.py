@@ -43,7 +43,7 @@ def reference() -> str:
     from services.gate.config import GateSettings
     from services.master.config import MasterSettings
     from services.store.config import StoreSettings
-    from services.prefill.config import PoolSettings
+    from services.prefill.config import PoolSettings, PrefillConfig
     from services.router.config import RouterSettings
     from shared.bus import BusConfig
     from shared.engine.engine import EngineConfig
@@ -68,6 +68,7 @@ def reference() -> str:
         ("Gate: `[gate]`", GateSettings, "gate."),
         ("Prefill and decode: `[engine]`", EngineConfig, "engine."),
         ("Prefill and decode: `[transfer]`", TransferConfig, "transfer."),
+        ("Prefill: top-level keys", PrefillConfig, ""),
         ("Prefill: `[pool]` (the shared KV pool connector)", PoolSettings, "pool."),
         ("Master: `[master]` (supervises `mooncake_master`)", MasterSettings, "master."),
         ("Store: `[store]` (a DRAM segment of the pool)", StoreSettings, "store."),

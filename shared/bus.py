@@ -63,6 +63,9 @@ class Subjects:
     def prefill_submit(self, instance: str) -> str:
         return f"{self.prefix}.prefill.{instance}.submit"
 
+    def prefill_assign(self, instance: str) -> str:
+        return f"{self.prefix}.prefill.{instance}.assign"
+
     def decode_slots(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.slots"
 

@@ -186,9 +186,17 @@ class PrefillSubmit(Message):
     request_id: str
     prompt_ids: TokenIds
     sampling: dict  # SamplingParams fields
-    decode_instance: str
+    decode_instance: str  # "": not admitted yet (overlapped admission): a DecodeAssign or a Cancel follows
     session_id: str | None = None
     tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
+
+
+@message("decode_assign")
+class DecodeAssign(Message):
+    """The router tells the prefill of a request it submitted before the gate's answer (PrefillSubmit with no
+    decode_instance) which decode instance the gate admitted it to. A refusal comes as a Cancel instead."""
+    request_id: str
+    decode_instance: str
 
 
 @message("ack")

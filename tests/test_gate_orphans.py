@@ -76,7 +76,7 @@ async def test_an_admit_held_by_a_gate_that_goes_ends_when_the_gate_is_gone_not_
         async def publish(self, subject, msg):
             pass
 
-    settings = RouterSettings(admission_timeout_s=40.0)
+    settings = RouterSettings(admission_timeout_s=40.0, overlap_admission=False)  # the admit alone, then submit
     loads = LoadTable(settings.instance_timeout_s)
     state = RouterState(settings, SilentGateBus(), None, 4096, loads, make_picker("p2c", loads, 60.0))
     for role in ("gate", "decode", "prefill"):
@@ -134,7 +134,7 @@ class _AdmitBus:
 
 
 async def _dispatch(bus) -> tuple[RouterState, Dispatch]:
-    settings = RouterSettings()
+    settings = RouterSettings(overlap_admission=False)  # the admit alone, then submit
     loads = LoadTable(settings.instance_timeout_s)
     state = RouterState(settings, bus, None, 4096, loads, make_picker("p2c", loads, 60.0))
     for role in ("gate", "decode", "prefill"):

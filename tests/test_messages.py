@@ -20,6 +20,7 @@ SAMPLES: dict[str, m.Message] = {
     "release": m.Release("r1", reason="finished"),
     "holdings": m.Holdings("router-0", "boot-a", ["r1", "r2"]),
     "prefill_submit": m.PrefillSubmit("r1", [1, 2, 3, 70000], SAMPLING, "decode-1", session_id="s-9", tenant="acme"),
+    "decode_assign": m.DecodeAssign("r1", "decode-1"),
     "ack": m.Ack("r1", ok=False, error="no slots", stats={"scatter_ms": 1.25, "pieces": 3}),
     "slot_request": m.SlotRequest("r1", "prefill-0", total_bytes=1 << 33, num_tokens=4096, max_slots=4),
     "slot_grant": m.SlotGrant("r1", endpoint="10.0.0.2:12345", slots=[[0, 1 << 40, 4096], [1, 2 << 40, 4096]]),

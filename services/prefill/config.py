@@ -43,3 +43,8 @@ class PrefillConfig(ServiceConfig):
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     pool: PoolSettings = field(default_factory=PoolSettings)
+    assign_timeout_s: float = 45.0  # a request submitted before its admission (no decode yet) waits this long for its DecodeAssign, then fails (above router.admission_timeout_s)
+
+    def __post_init__(self) -> None:
+        if self.assign_timeout_s <= 0:
+            raise ConfigError(f"assign_timeout_s must be positive, got {self.assign_timeout_s}")

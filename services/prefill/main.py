@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from opentelemetry.trace import Status, StatusCode
 
 from services.prefill.events import KVEventPublisher
-from services.prefill.handoff import HandoffSender
+from services.prefill.handoff import HandoffFailed, HandoffSender
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
-from shared.messages import (Ack, Cancel, HandoffDone, LoadReport, PrefillSubmit, TokenChunk, error_info,
-                             make_usage)
+from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, LoadReport, PrefillSubmit, TokenChunk,
+                             error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -35,11 +36,25 @@ class Pending:
     handoff: asyncio.Task | None = None
     handoff_started: bool = False        # a task cancelled before it first runs never enters its finally
     cancelled: bool = False
+    decode: str = ""                     # where the KV goes: the submit's decode instance, or a DecodeAssign's
+    assigned: asyncio.Event = field(default_factory=asyncio.Event)  # set once `decode` is known
+
+    def __post_init__(self) -> None:
+        self.assign(getattr(self.submit, "decode_instance", ""))
+
+    def assign(self, decode: str) -> bool:
+        """Take the decode instance (once); False if it was known already or `decode` is empty."""
+        if self.decode or not decode:
+            return False
+        self.decode = decode
+        self.assigned.set()
+        return True
 
 
 class PrefillService:
-    def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender):
+    def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender, assign_timeout_s: float = 45.0):
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
+        self.assign_timeout_s = assign_timeout_s  # a submit without a decode waits this long for its DecodeAssign
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
         self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
@@ -102,6 +117,27 @@ class PrefillService:
         if p.cancelled and rid in self.pending:  # cancelled while it was being added
             await self.loop.call(lambda: self.engine.abort(rid))
             self.pending.pop(rid, None)
+
+    async def on_assign(self, msg: DecodeAssign, raw) -> None:
+        """The gate admitted a request that was submitted before its answer: its KV goes to this decode.
+        (A refused one gets a Cancel instead.)"""
+        p = self.pending.get(msg.request_id)
+        if p is None:  # finished at prefill (max_tokens reached), cancelled, or failed already
+            return
+        if not p.assign(msg.decode_instance):
+            self.log.warning("decode assignment ignored", request_id=msg.request_id,
+                             decode_instance=msg.decode_instance, assigned=p.decode)
+
+    async def _decode_of(self, p: Pending, span) -> str:
+        """The request's decode instance, once the router has sent it (overlapped admission)."""
+        if not p.decode:
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait_for(p.assigned.wait(), self.assign_timeout_s)
+            except asyncio.TimeoutError:
+                raise HandoffFailed(f"no decode instance was assigned within {self.assign_timeout_s:g} s") from None
+            span.set_attribute("assign_wait_ms", (time.perf_counter() - t0) * 1e3)
+        return p.decode
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         """Cancel stops whatever stage the request is in. It stays pending until the stage has let go:
@@ -190,12 +226,13 @@ class PrefillService:
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources)
         with tracer.start_as_current_span("kv.handoff", context=p.trace_ctx) as span:
-            span.set_attributes({"request_id": rid, "decode_instance": p.submit.decode_instance,
-                                 "tokens": len(seq.prompt_ids)})
+            span.set_attributes({"request_id": rid, "tokens": len(seq.prompt_ids)})
             try:
                 if p.cancelled:  # before it ever ran
                     raise asyncio.CancelledError
-                stats = await self.sender.send(p.submit.decode_instance, rid, table, len(seq.prompt_ids), done,
+                decode = await self._decode_of(p, span)
+                span.set_attribute("decode_instance", decode)
+                stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
                                               done_context=p.trace_ctx)  # decode.generate: under router.request
                 span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                      "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
@@ -205,7 +242,7 @@ class PrefillService:
                 self.handoff_totals["handoffs_done"] += 1
                 if self.events is not None:
                     self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
-                                                 p.submit.decode_instance)
+                                                 decode)
             except asyncio.CancelledError:
                 span.set_status(Status(StatusCode.ERROR, "cancelled"))
             except Exception as e:  # decode gone, timeout, transfer error: fail this request only
@@ -249,7 +286,7 @@ async def serve(ctx: ServiceContext) -> None:
     engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
-    svc = PrefillService(ctx, engine, sender)
+    svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s)
     svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector
@@ -268,6 +305,7 @@ async def serve(ctx: ServiceContext) -> None:
     s = ctx.bus.subjects
     on_bad = lambda e, raw: Ack("", False, str(e))  # noqa: E731
     await ctx.bus.subscribe(s.prefill_submit(ctx.instance), PrefillSubmit, svc.on_submit, on_error=on_bad)
+    await ctx.bus.subscribe(s.prefill_assign(ctx.instance), DecodeAssign, svc.on_assign)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first

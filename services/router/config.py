@@ -27,6 +27,7 @@ class RouterSettings:
     request_timeout_s: float = 600.0   # whole request, admission to last token
     admission_timeout_s: float = 40.0  # bus timeout for the gate's reply: above the gate's own wait
     submit_timeout_s: float = 10.0     # bus timeout for the prefill's Ack
+    overlap_admission: bool = True     # submit to prefill while the gate decides, when the gate's last report says it will admit at once (saves the admit round trip)
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit

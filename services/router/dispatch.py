@@ -32,7 +32,8 @@ from services.router.routing import LoadTable, PrefillPicker
 from services.router.schemas import OpenAIError
 from shared.bus import Bus, PayloadTooLarge
 from shared.engine.tokenizer import Tokenizer
-from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, MessageError, PrefillSubmit, Release, TokenChunk
+from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign, MessageError, PrefillSubmit, Release,
+                             TokenChunk)
 
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
 
@@ -136,6 +137,7 @@ class Dispatch:
         self._abort_error: OpenAIError | None = None
         self._watch = Watch(self._on_gone)
         self._submitted = False     # prefill / decode may be working on it
+        self.started_at = state.clock()
         self.chunks = 0             # token chunks received
         self.finished = False       # the final chunk arrived
         self._closed = False
@@ -148,8 +150,13 @@ class Dispatch:
         return max(others, key=lambda v: (v.free_tokens, v.instance)).instance if others else None
 
     async def start(self) -> None:
-        """Admit and submit; raises OpenAIError (the caller still calls close())."""
-        s, job, subjects, rid = self.state.settings, self.job, self.bus.subjects, self.request_id
+        """Admit and submit; raises OpenAIError (the caller still calls close()).
+
+        Sequential: admit at the gate, then submit with the decode instance it chose. Overlapped (when the
+        gate will most likely admit at once, `_overlap`): submit with no decode instance while the gate
+        decides, then send the prefill a DecodeAssign; the admit round trip then runs beside the prefill's
+        work instead of before it. A refusal cancels the submitted request (close() sends the Cancel)."""
+        job = self.job
         if not self.state.others("decode"):  # the gate would say so too, or wait for one if it knows none
             self.state.metrics.admission_rejections.labels("no_decode").inc()
             raise OpenAIError(503, "no decode instance available", code="service_unavailable",
@@ -169,6 +176,62 @@ class Dispatch:
                 self.span.set_attribute("resident_prefix_tokens", decision.resident_tokens)
         self.span.add_event("routed")
         self.state.holding.add(self.request_id)  # from here on the gate may reserve for us, even if its reply is lost
+        if self._overlap():
+            await self._start_overlapped()
+        else:
+            self._accept(await self._admit())
+            await self._subscribe()
+            await self._submit(self.decode)
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens the gate reserves for this request."""
+        return len(self.job.prompt_ids) + self.job.max_tokens
+
+    def _overlap(self) -> bool:
+        """Whether to submit before the gate answers: only when every gate said at its last report that no
+        request waits and it has the budget free for this one and for every request this router started
+        since. A wrong guess costs only prefill work on a request that is then cancelled."""
+        if not self.state.settings.overlap_admission:
+            return False
+        gates = self.state.loads.fresh("gate", self.state.clock())
+        if not gates or any(g.waiting for g in gates):
+            return False
+        seen = min(g.seen_at for g in gates)
+        since = sum(d.tokens for d in self.state.live if d.started_at >= seen)
+        return sum(g.free_tokens for g in gates) - since >= self.tokens
+
+    async def _start_overlapped(self) -> None:
+        self.span.set_attribute("admission", "overlapped")
+        await self._subscribe()
+        submit = asyncio.ensure_future(self._submit(""))  # first: the prefill's work is the longer path
+        admit = asyncio.ensure_future(self._admit())
+        try:
+            await asyncio.wait({admit, submit}, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in (admit, submit):
+                task.cancel()  # no-op when done
+            await asyncio.gather(admit, submit, return_exceptions=True)
+        for task in (admit, submit):  # the gate's refusal, if any, is the answer
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        try:
+            self._accept(admit.result())
+        except OpenAIError:
+            self.state.metrics.overlapped.labels("refused").inc()
+            raise
+        self.state.metrics.overlapped.labels("admitted").inc()
+        with trace.use_span(self.span, end_on_exit=False):
+            try:
+                await self.bus.publish(self.bus.subjects.prefill_assign(self.prefill),
+                                       DecodeAssign(self.request_id, self.decode))
+            except _BUS_ERRORS as e:
+                raise InstanceLost("bus", None, f"decode assignment not sent: {type(e).__name__}",
+                                   self.state.retry_after("prefill")) from None
+        self.span.add_event("assigned")
+
+    async def _admit(self) -> AdmitReply:
+        s, job, rid = self.state.settings, self.job, self.request_id
         # A gate that dies (or a bus that goes) while it holds our admit never answers: the wait ends when
         # the liveness monitor says a gate is gone, not after admission_timeout_s.
         gates = [v.instance for v in self.state.loads.fresh("gate", self.state.clock())]
@@ -176,7 +239,7 @@ class Dispatch:
             self.state.monitor.watch(self._watch, "gate", gate)
         with trace.use_span(self.span, end_on_exit=False):
             try:
-                reply = await self._unless_aborted(self.bus.request(subjects.gate_admit, AdmitRequest(
+                reply = await self._unless_aborted(self.bus.request(self.bus.subjects.gate_admit, AdmitRequest(
                     rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot),
                     AdmitReply, timeout=s.admission_timeout_s))
             except (*_BUS_ERRORS, MessageError) as e:
@@ -188,6 +251,10 @@ class Dispatch:
                     self.state.monitor.unwatch(self._watch, "gate", gate)
         self.span.add_event("admitted")  # stage marks: bench/overhead.py breaks latency down by them
         self.span.set_attribute("admission_waited_ms", reply.waited_ms)
+        return reply
+
+    def _accept(self, reply: AdmitReply) -> None:
+        """Take the gate's answer: the decode instance, watched from now on; else the refusal, raised."""
         if reply.status != "admitted":
             self.state.holding.discard(self.request_id)  # nothing held: an invalid or rejected request holds no budget
             raise self._refusal(reply)
@@ -196,21 +263,28 @@ class Dispatch:
             raise OpenAIError(503, "the gate admitted the request without a decode instance")
         self.span.set_attribute("decode_instance" if not self.attempt else "retry_decode_instance", self.decode)
         self.state.monitor.watch(self._watch, "decode", self.decode)  # fires at once if it is known gone
-        self.state.monitor.watch(self._watch, "prefill", self.prefill)
-        if self._abort_error is not None:  # one of them is known gone already
+        if self._abort_error is not None:  # known gone already
             raise self._abort_error
 
+    async def _subscribe(self) -> None:
         async def on_chunk(raw) -> None:
             self._chunks.put_nowait(raw)
 
-        self._sub = await self.bus.nc.subscribe(subjects.request_out(rid), cb=on_chunk)  # before submit
-        self.span.add_event("subscribed")
+        self._sub = await self.bus.nc.subscribe(self.bus.subjects.request_out(self.request_id), cb=on_chunk)
+        self.span.add_event("subscribed")  # before submit: no chunk can be missed
         self.state.live.add(self)
+
+    async def _submit(self, decode: str) -> None:
+        """PrefillSubmit and its Ack; `decode` "" = a DecodeAssign follows (overlapped admission)."""
+        s, job, rid = self.state.settings, self.job, self.request_id
+        self.state.monitor.watch(self._watch, "prefill", self.prefill)  # fires at once if it is known gone
+        if self._abort_error is not None:
+            raise self._abort_error
         self._submitted = True  # a lost Ack may still mean the prefill took it: cancel on failure
         with trace.use_span(self.span, end_on_exit=False):
             try:
-                ack = await self._unless_aborted(self.bus.request(subjects.prefill_submit(self.prefill), PrefillSubmit(
-                    rid, job.prompt_ids, job.sampling, self.decode, job.session_id, job.tenant), Ack,
+                ack = await self._unless_aborted(self.bus.request(self.bus.subjects.prefill_submit(self.prefill),
+                    PrefillSubmit(rid, job.prompt_ids, job.sampling, decode, job.session_id, job.tenant), Ack,
                     timeout=s.submit_timeout_s))
             except PayloadTooLarge as e:  # prepare() checks the size first: only a smaller server cap gets here
                 raise OpenAIError(413, f"the request is too large for the message bus: {e}",

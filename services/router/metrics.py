@@ -33,6 +33,9 @@ class RouterMetrics:
                                      ["source"], registry=r)
         self.admission_rejections = Counter("moorage_router_admission_rejections",
                                             "Requests the gate did not admit", ["reason"], registry=r)
+        self.overlapped = Counter("moorage_router_overlapped_admissions",
+                                  "Requests submitted to prefill while the gate decided, by the gate's answer "
+                                  "(refused: prefill work that was cancelled)", ["outcome"], registry=r)
         self.in_flight = Gauge("moorage_router_in_flight_requests", "Requests being served now", registry=r)
         self.retries = Counter("moorage_router_retries", "Requests retried on other instances after one failed "
                                "or went away, by the failed instance's role", ["role"], registry=r)
@@ -54,6 +57,8 @@ class RouterMetrics:
             self.kv_events.labels(result)
         for source in ("device", "store"):
             self.cached_tokens.labels(source)
+        for outcome in ("admitted", "refused"):
+            self.overlapped.labels(outcome)
         for reason in ("rejected", "invalid", "no_decode", "timeout"):
             self.admission_rejections.labels(reason)
 

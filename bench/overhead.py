@@ -14,8 +14,10 @@ here against the same FastAPI app, httpx's own work is ~1.1-1.3 ms per request a
 above a bare socket, which would otherwise count as the router's overhead.
 
 The breakdown of (a) comes from each request's trace: the `router.request` span's stage events
-(prepared, routed, admitted, subscribed, acked, first_chunk, responding), the `gate.admit` span and the
-prefill's spans, on the one machine clock (time.time_ns), plus the client's own send / receive times.
+(prepared, routed, admitted, subscribed, acked, assigned, first_chunk, responding), the `gate.admit` span and
+the prefill's spans, on the one machine clock (time.time_ns), plus the client's own send / receive times.
+Requests admitted overlapped (the default when the gate has room: the submit goes out while the gate
+decides) have stages of their own; `--set router.router.overlap_admission=false` measures the sequential path.
 (b) is timed by the client at the same points (subscribed, acked, final chunk). Every stage is reported
 as its median and p90 over requests; "overhead" rows are (a) - (b) of the p50s and the per-iteration
 paired difference.

@@ -148,6 +148,8 @@ def test_the_router_overlaps_only_when_the_gate_said_it_has_room_and_nobody_wait
     _gate(d, free=5000)
     _gate(d, free=5000, waiting=2, name="gate-1")
     assert not d._overlap(), "any gate with a queue"
+    _gate(d, free=100, name="gate-1")
+    assert not d._overlap(), "any gate may get the admit: the one with the least room decides"
     off = _dispatch(overlap=False)
     _gate(off, free=5000)
     assert not off._overlap(), "router.overlap_admission=false"

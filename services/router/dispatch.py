@@ -199,7 +199,7 @@ class Dispatch:
             return False
         seen = min(g.seen_at for g in gates)
         since = sum(d.tokens for d in self.state.live if d.started_at >= seen)
-        return sum(g.free_tokens for g in gates) - since >= self.tokens
+        return min(g.free_tokens for g in gates) - since >= self.tokens  # any gate may get the admit
 
     async def _start_overlapped(self) -> None:
         self.span.set_attribute("admission", "overlapped")

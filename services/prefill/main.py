@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.prefill.events import KVEventPublisher
@@ -128,15 +128,19 @@ class PrefillService:
             self.log.warning("decode assignment ignored", request_id=msg.request_id,
                              decode_instance=msg.decode_instance, assigned=p.decode)
 
-    async def _decode_of(self, p: Pending, span) -> str:
-        """The request's decode instance, once the router has sent it (overlapped admission)."""
-        if not p.decode:
-            t0 = time.perf_counter()
+    async def _decode_of(self, p: Pending) -> str:
+        """The request's decode instance; when the router has not sent it yet (overlapped admission: the
+        gate is still deciding), wait for its DecodeAssign, traced as `prefill.assign_wait`."""
+        if p.decode:
+            return p.decode
+        with tracer.start_as_current_span("prefill.assign_wait", context=p.trace_ctx,
+                                          attributes={"request_id": p.submit.request_id}) as span:
             try:
                 await asyncio.wait_for(p.assigned.wait(), self.assign_timeout_s)
             except asyncio.TimeoutError:
+                span.set_status(Status(StatusCode.ERROR, "no decode instance assigned"))
                 raise HandoffFailed(f"no decode instance was assigned within {self.assign_timeout_s:g} s") from None
-            span.set_attribute("assign_wait_ms", (time.perf_counter() - t0) * 1e3)
+            span.set_attribute("decode_instance", p.decode)
         return p.decode
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
@@ -225,34 +229,39 @@ class PrefillService:
         seq, rid = p.seq, p.seq.request_id
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources)
-        with tracer.start_as_current_span("kv.handoff", context=p.trace_ctx) as span:
-            span.set_attributes({"request_id": rid, "tokens": len(seq.prompt_ids)})
-            try:
-                if p.cancelled:  # before it ever ran
-                    raise asyncio.CancelledError
-                decode = await self._decode_of(p, span)
-                span.set_attribute("decode_instance", decode)
+        span = None  # kv.handoff: from when the decode instance is known
+        try:
+            if p.cancelled:  # before it ever ran
+                raise asyncio.CancelledError
+            decode = await self._decode_of(p)
+            span = tracer.start_span("kv.handoff", context=p.trace_ctx, attributes={
+                "request_id": rid, "tokens": len(seq.prompt_ids), "decode_instance": decode})
+            with trace.use_span(span, end_on_exit=False):
                 stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
                                               done_context=p.trace_ctx)  # decode.generate: under router.request
-                span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
-                                     "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
-                                     "scatter_ms": stats.scatter_ms})
-                self.handoff_totals["handoff_bytes"] += stats.bytes
-                self.handoff_totals["handoff_writes"] += stats.writes
-                self.handoff_totals["handoffs_done"] += 1
-                if self.events is not None:
-                    self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
-                                                 decode)
-            except asyncio.CancelledError:
+            span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
+                                 "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
+                                 "scatter_ms": stats.scatter_ms})
+            self.handoff_totals["handoff_bytes"] += stats.bytes
+            self.handoff_totals["handoff_writes"] += stats.writes
+            self.handoff_totals["handoffs_done"] += 1
+            if self.events is not None:
+                self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
+                                             decode)
+        except asyncio.CancelledError:
+            if span is not None:
                 span.set_status(Status(StatusCode.ERROR, "cancelled"))
-            except Exception as e:  # decode gone, timeout, transfer error: fail this request only
+        except Exception as e:  # decode gone, timeout, transfer error, no decode assigned: fail this request only
+            if span is not None:
                 span.set_status(Status(StatusCode.ERROR, str(e)))
-                self.log.warning("handoff failed", request_id=rid, error=str(e))
-                await self._fail(rid, 503, f"KV handoff to decode failed: {e}")
-            finally:
-                self.pending.pop(rid, None)
-                with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
-                    await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
+            self.log.warning("handoff failed", request_id=rid, error=str(e))
+            await self._fail(rid, 503, f"KV handoff to decode failed: {e}")
+        finally:
+            if span is not None:
+                span.end()
+            self.pending.pop(rid, None)
+            with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
+                await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
 
     async def _fail(self, rid: str, status: int, message: str) -> None:
         with contextlib.suppress(Exception):

@@ -215,12 +215,9 @@ class Dispatch:
         for task in (admit, submit):  # the gate's refusal, if any, is the answer
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        try:
-            self._accept(admit.result())
-        except OpenAIError:
-            self.state.metrics.overlapped.labels("refused").inc()
-            raise
-        self.state.metrics.overlapped.labels("admitted").inc()
+        reply = admit.result()
+        self.state.metrics.overlapped.labels("admitted" if reply.status == "admitted" else "refused").inc()
+        self._accept(reply)
         with trace.use_span(self.span, end_on_exit=False):
             try:
                 await self.bus.publish(self.bus.subjects.prefill_assign(self.prefill),

@@ -21,11 +21,14 @@ from opentelemetry import trace
 
 from services.prefill.main import PrefillService
 from services.router.config import RouterSettings
-from services.router.dispatch import Dispatch, Job, RouterState
+import nats.errors
+
+from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
 from services.router.routing import LoadTable, make_picker
 from shared.engine.engine import Engine, EngineConfig
 from shared.logging import get_logger
-from shared.messages import Cancel, DecodeAssign, LoadReport, PrefillSubmit, TokenChunk
+from shared.bus import Subjects
+from shared.messages import AdmitReply, Cancel, DecodeAssign, LoadReport, PrefillSubmit, TokenChunk
 from tests.decode_zone import service_ctx
 
 NUM_BLOCKS = 32
@@ -170,6 +173,45 @@ def test_requests_started_since_the_gates_report_count_against_its_free_budget()
     _gate(d, free=300)  # a newer report already counts them
     other.started_at = third.started_at = d.state.clock() - 1.0
     assert d._overlap()
+
+
+class SlowGateBus:
+    """A bus whose gate answers admits after `gate_s` and whose prefill is gone (no responders at once);
+    it logs (time, what) for the admit's answer and every publish."""
+
+    def __init__(self, gate_s: float):
+        self.subjects, self.gate_s, self.log = Subjects("moorage"), gate_s, []
+        self.nc = SimpleNamespace(subscribe=self._subscribe, is_connected=True)
+
+    async def _subscribe(self, subject, cb):
+        return SimpleNamespace(unsubscribe=lambda: asyncio.sleep(0))
+
+    async def request(self, subject, msg, reply_type, timeout=None):
+        if subject == self.subjects.gate_admit:
+            await asyncio.sleep(self.gate_s)
+            self.log.append("admitted")
+            return AdmitReply(msg.request_id, "admitted", decode_instance="decode-0")
+        raise nats.errors.NoRespondersError
+
+    async def publish(self, subject, msg):
+        self.log.append(msg.KIND)
+
+
+async def test_a_failed_overlapped_submit_releases_only_after_the_gate_answered_its_admit():
+    """The gate reads admits and releases on two subscriptions: a Release sent right after the admit may
+    overtake it, and the gate would count a release of a request it never saw (CI caught it as
+    release_unknown after a prefill was killed). The failed attempt waits for the gate's answer first."""
+    d = _dispatch()
+    d.state.bus = d.bus = SlowGateBus(gate_s=0.05)
+    now = d.state.clock()
+    _gate(d, free=5000)
+    for role, name in (("prefill", "prefill-0"), ("decode", "decode-0")):
+        d.state.loads.update(LoadReport(name, role, True, capacity_tokens=10_000, free_tokens=10_000), now)
+    with pytest.raises(InstanceLost) as lost:
+        await d.start()
+    assert lost.value.role == "prefill"
+    await d.close("retry")
+    assert d.bus.log == ["admitted", "cancel", "release"], d.bus.log
 
 
 # ---- Part 3: the real system -------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign
                              TokenChunk)
 
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
+_ADMIT_SETTLE_S = 1.0  # a failed overlapped submit waits this long at most for its admit's answer (a gate
+#                        with room answers in about a millisecond; a queued admit is then cancelled by the Release)
 
 
 async def _get_within(queue: asyncio.Queue, timeout: float):
@@ -208,6 +210,11 @@ class Dispatch:
         admit = asyncio.ensure_future(self._admit())
         try:
             await asyncio.wait({admit, submit}, return_when=asyncio.FIRST_EXCEPTION)
+            if submit.done() and submit.exception() is not None and not admit.done():
+                # The gate handles admits and releases on two subscriptions, so a Release sent now could
+                # reach it before this admit does (a gone prefill fails the submit at once): wait for the
+                # gate's answer, so the Release finds the reservation it frees.
+                await asyncio.wait({admit}, timeout=_ADMIT_SETTLE_S)
         finally:
             for task in (admit, submit):
                 task.cancel()  # no-op when done

@@ -41,6 +41,7 @@ def _table(cls, prefix: str) -> list[str]:
 
 def reference() -> str:
     from services.gate.config import GateSettings
+    from services.decode.config import DecodeConfig
     from services.master.config import MasterSettings
     from services.store.config import StoreSettings
     from services.prefill.config import PoolSettings, PrefillConfig
@@ -70,6 +71,7 @@ def reference() -> str:
         ("Prefill and decode: `[transfer]`", TransferConfig, "transfer."),
         ("Prefill: top-level keys", PrefillConfig, ""),
         ("Prefill: `[pool]` (the shared KV pool connector)", PoolSettings, "pool."),
+        ("Decode: top-level keys", DecodeConfig, ""),
         ("Master: `[master]` (supervises `mooncake_master`)", MasterSettings, "master."),
         ("Store: `[store]` (a DRAM segment of the pool)", StoreSettings, "store."),
         ("`moorage up`: `[up]` (each service's keys go under its name, e.g. `prefill.engine.num_blocks`)",

@@ -57,8 +57,9 @@ class Subjects:
         return f"{self.prefix}.gate.release"
 
     @property
-    def gate_holdings(self) -> str:
-        return f"{self.prefix}.gate.holdings"
+    def holdings(self) -> str:
+        """A router's Holdings: read by the gate (lost Releases) and the engines (orphaned requests)."""
+        return f"{self.prefix}.router.holdings"
 
     def prefill_submit(self, instance: str) -> str:
         return f"{self.prefix}.prefill.{instance}.submit"

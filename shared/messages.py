@@ -174,7 +174,8 @@ class Release(Message):
 class Holdings(Message):
     """A router's periodic list of the requests it may still hold gate budget for (admitted, or asked and
     not yet released). The gate drops what this router process (`boot`) holds that is not listed and is
-    older than its grace: a Release lost with the bus (nats-server killed or restarted) frees its budget."""
+    older than its grace: a Release lost with the bus (nats-server killed or restarted) frees its budget.
+    Prefill and decode end what this router instance sent them and no longer lists (shared/holdings.py)."""
     router: str
     boot: str
     request_ids: list[str]
@@ -189,6 +190,7 @@ class PrefillSubmit(Message):
     decode_instance: str  # "": not admitted yet (overlapped admission): a DecodeAssign or a Cancel follows
     session_id: str | None = None
     tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
+    router: str = ""  # the sending router instance: its Holdings tell when nobody waits for the request
 
 
 @message("decode_assign")
@@ -246,6 +248,7 @@ class HandoffDone(Message):
     sampling: dict
     token_sources: dict                                # {"device": n, "store": n, "computed": n}
     handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
+    router: str = ""                                   # the router instance the request came from (its Holdings)
 
 
 # ---- tokens, cancellation, load ----------------------------------------------------------------

@@ -176,10 +176,10 @@ async def test_a_routers_holdings_free_what_it_no_longer_holds(start_gate, conne
         r = await c.bus.request(c.s.gate_admit, AdmitRequest(rid, 100, 50, router_boot=boot), AdmitReply, timeout=5)
         assert r.status == "admitted"
     await asyncio.sleep(0.3)  # older than the grace
-    await c.bus.nc.publish(c.s.gate_holdings, msgpack.packb({"v": 1, "kind": "holdings", "router": "router-0",
+    await c.bus.nc.publish(c.s.holdings, msgpack.packb({"v": 1, "kind": "holdings", "router": "router-0",
                                                              "boot": "boot-a", "request_ids": [1, 2]}))
     await c.gate_state(lambda d: d["malformed"] == 1)
-    await c.bus.publish(c.s.gate_holdings, Holdings("router-0", "boot-a", ["kept"]))
+    await c.bus.publish(c.s.holdings, Holdings("router-0", "boot-a", ["kept"]))
     report = await c.gate_state(lambda d: d["reconciled"] == 1)
     assert report.detail["reservations"] == 2 and report.detail["reserved_tokens"] == {"d0": 300}
     await c.release("lost")  # the lost Release after all: a duplicate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.config import ConfigError
 from shared.engine.engine import EngineConfig
 from shared.service import ServiceConfig
 from shared.transfer import TransferConfig
@@ -14,3 +15,8 @@ class DecodeConfig(ServiceConfig):
     instance: str = "decode-0"
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    holdings_grace_s: float = 5.0   # a request its router's Holdings no longer list is ended once this old (its router was restarted)
+
+    def __post_init__(self) -> None:
+        if self.holdings_grace_s < 0:
+            raise ConfigError(f"holdings_grace_s must be >= 0, got {self.holdings_grace_s}")

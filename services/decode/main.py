@@ -23,7 +23,8 @@ from shared.engine.loop import EngineLoop
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
-from shared.messages import (Ack, Cancel, HandoffDone, LoadReport, SlotGrant, SlotRequest, SlotsFilled,
+from shared.holdings import ORPHAN_REASON, Served, orphans
+from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, SlotGrant, SlotRequest, SlotsFilled,
                              TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
@@ -38,6 +39,7 @@ class Active:
     sources: dict
     span: object
     adopted: float
+    router: str = ""                                 # the router instance it came from (its Holdings)
     first_token_ms: float | None = None
     tokens: int = 0
     last: float = 0.0                                # monotonic time of the latest step's tokens
@@ -62,8 +64,9 @@ class Active:
 
 
 class DecodeService:
-    def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory):
+    def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
+        self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
         self.active: dict[str, Active] = {}
@@ -91,7 +94,7 @@ class DecodeService:
             span.set_attribute("cancelled", True)
             span.end()
             return Ack(rid, False, "request cancelled")
-        self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic())
+        self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic(), msg.router)
         return Ack(rid, True)
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
@@ -103,6 +106,13 @@ class DecodeService:
             a.span.end()
         if dropped or a is not None:
             self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
+
+    async def on_holdings(self, msg: Holdings, raw) -> None:
+        """Stop generating what the router no longer holds (shared/holdings.py): its router was restarted."""
+        served = [Served(rid, a.router, a.adopted) for rid, a in self.active.items()]
+        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s):
+            self.log.warning("orphaned request ended", request_id=rid, router=msg.router)
+            await self.on_cancel(Cancel(rid, ORPHAN_REASON), None)
 
     async def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -172,7 +182,8 @@ async def serve(ctx: ServiceContext) -> None:
     if faults.corrupt_pieces:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
-                                                                   cfg.transfer.copy_threads))
+                                                                   cfg.transfer.copy_threads),
+                        cfg.holdings_grace_s)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room
@@ -182,6 +193,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
+    await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
     expiry = asyncio.create_task(svc.expire_landings())
     ctx.load_report = svc.load_report
 

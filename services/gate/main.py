@@ -5,7 +5,7 @@
   `replied` event) and the decision's log line follow. A request that has to wait keeps its NATS message
   here and is answered later by the tick loop, so the subscription never blocks.
 - `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
-- `moorage.gate.holdings`: a router's Holdings; what it no longer lists is dropped (Admission.reconcile).
+- `moorage.router.holdings`: a router's Holdings; what it no longer lists is dropped (Admission.reconcile).
 - Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
   what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
 """
@@ -61,7 +61,7 @@ class Gate:
         await self.bus.subscribe(s.gate_admit, AdmitRequest, self.on_admit, queue="gate",
                                  on_error=self.on_malformed_admit)
         await self.bus.subscribe(s.gate_release, Release, self.on_release, on_error=self.on_malformed)
-        await self.bus.subscribe(s.gate_holdings, Holdings, self.on_holdings, on_error=self.on_malformed)
+        await self.bus.subscribe(s.holdings, Holdings, self.on_holdings, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("decode", "*"), LoadReport, self.on_load, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("router", "*"), LoadReport, self.on_router, on_error=self.on_malformed)
         self.ctx.load_report = self.load_report

@@ -44,7 +44,10 @@ class PrefillConfig(ServiceConfig):
     transfer: TransferConfig = field(default_factory=TransferConfig)
     pool: PoolSettings = field(default_factory=PoolSettings)
     assign_timeout_s: float = 45.0  # a request submitted before its admission (no decode yet) waits this long for its DecodeAssign, then fails (above router.admission_timeout_s)
+    holdings_grace_s: float = 5.0   # a request its router's Holdings no longer list is ended once this old (its router was restarted)
 
     def __post_init__(self) -> None:
         if self.assign_timeout_s <= 0:
             raise ConfigError(f"assign_timeout_s must be positive, got {self.assign_timeout_s}")
+        if self.holdings_grace_s < 0:
+            raise ConfigError(f"holdings_grace_s must be >= 0, got {self.holdings_grace_s}")

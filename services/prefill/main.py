@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -20,8 +21,9 @@ from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
-from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, LoadReport, PrefillSubmit, TokenChunk,
-                             error_info, make_usage)
+from shared.holdings import ORPHAN_REASON, Served, orphans
+from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, LoadReport, PrefillSubmit,
+                             TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -38,6 +40,7 @@ class Pending:
     cancelled: bool = False
     decode: str = ""                     # where the KV goes: the submit's decode instance, or a DecodeAssign's
     assigned: asyncio.Event = field(default_factory=asyncio.Event)  # set once `decode` is known
+    since: float = field(default_factory=time.monotonic)  # when it was submitted (its router's Holdings)
 
     def __post_init__(self) -> None:
         self.assign(getattr(self.submit, "decode_instance", ""))
@@ -52,9 +55,11 @@ class Pending:
 
 
 class PrefillService:
-    def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender, assign_timeout_s: float = 45.0):
+    def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender, assign_timeout_s: float = 45.0,
+                 holdings_grace_s: float = 5.0):
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
         self.assign_timeout_s = assign_timeout_s  # a submit without a decode waits this long for its DecodeAssign
+        self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.pending: dict[str, Pending] = {}
         self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
@@ -143,6 +148,17 @@ class PrefillService:
             span.set_attribute("decode_instance", p.decode)
         return p.decode
 
+    async def on_holdings(self, msg: Holdings, raw) -> None:
+        """End what the router no longer holds (shared/holdings.py), here and, by a Cancel on the bus, at
+        its decode instance: e.g. a request submitted before the gate answered, whose router was killed."""
+        served = [Served(rid, p.submit.router, p.since) for rid, p in self.pending.items()]
+        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s):
+            self.log.warning("orphaned request ended", request_id=rid, router=msg.router)
+            cancel = Cancel(rid, ORPHAN_REASON)
+            await self.on_cancel(cancel, None)
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.bus.subjects.cancel(rid), cancel)
+
     async def on_cancel(self, msg: Cancel, raw) -> None:
         """Cancel stops whatever stage the request is in. It stays pending until the stage has let go:
         a step that finishes it first reaches on_outputs, which must still find it to free its KV."""
@@ -228,7 +244,8 @@ class PrefillService:
         p.handoff_started = True
         seq, rid = p.seq, p.seq.request_id
         table = list(seq.block_table)
-        done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources)
+        done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
+                           router=p.submit.router)
         span = None  # kv.handoff: from when the decode instance is known
         try:
             if p.cancelled:  # before it ever ran
@@ -295,7 +312,7 @@ async def serve(ctx: ServiceContext) -> None:
     engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
-    svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s)
+    svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s)
     svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector
@@ -316,6 +333,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.prefill_submit(ctx.instance), PrefillSubmit, svc.on_submit, on_error=on_bad)
     await ctx.bus.subscribe(s.prefill_assign(ctx.instance), DecodeAssign, svc.on_assign)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
+    await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first
     ctx.on_stop.append(events.stop)

@@ -64,6 +64,7 @@ class RouterState:
     holding: set[str] = field(default_factory=set)  # bus ids the gate may hold budget for: sent as Holdings
     boot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process (load reports, admits): a restarted
     #                                                               router's gate reservations are freed by it
+    instance: str = ""  # this router's name on the bus: engines match its Holdings to what it sent them
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
 
     def __post_init__(self) -> None:
@@ -288,7 +289,8 @@ class Dispatch:
         with trace.use_span(self.span, end_on_exit=False):
             try:
                 ack = await self._unless_aborted(self.bus.request(self.bus.subjects.prefill_submit(self.prefill),
-                    PrefillSubmit(rid, job.prompt_ids, job.sampling, decode, job.session_id, job.tenant), Ack,
+                    PrefillSubmit(rid, job.prompt_ids, job.sampling, decode, job.session_id, job.tenant,
+                                  self.state.instance), Ack,
                     timeout=s.submit_timeout_s))
             except PayloadTooLarge as e:  # prepare() checks the size first: only a smaller server cap gets here
                 raise OpenAIError(413, f"the request is too large for the message bus: {e}",

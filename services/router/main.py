@@ -26,7 +26,7 @@ async def build_state(config: RouterConfig, bus) -> RouterState:
     tokenizer, max_context = await asyncio.to_thread(load_tokenizer, s.model)
     loads = LoadTable(s.instance_timeout_s)
     picker = make_picker(s.routing, loads, s.session_idle_s, max_imbalance_tokens=s.cache_aware_max_imbalance_tokens)
-    state = RouterState(s, bus, tokenizer, max_context, loads, picker)
+    state = RouterState(s, bus, tokenizer, max_context, loads, picker, instance=config.instance)
     if picker.index is not None:
         state.metrics.watch_index(picker.index)
     return state
@@ -38,8 +38,8 @@ async def publish_holdings(ctx: ServiceContext, state: RouterState) -> None:
     while True:
         await asyncio.sleep(state.settings.holdings_interval_s)
         try:
-            await ctx.bus.publish(ctx.bus.subjects.gate_holdings,
-                                  Holdings(ctx.instance, state.boot, sorted(state.holding)))
+            await ctx.bus.publish(ctx.bus.subjects.holdings,
+                                  Holdings(state.instance, state.boot, sorted(state.holding)))
         except Exception as e:  # the bus is down (the next one goes after it is back) or the list is too long
             ctx.log.warning("holdings not sent", error=str(e), holding=len(state.holding))
 

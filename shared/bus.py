@@ -8,6 +8,7 @@ on an overlapping subject would answer the request itself).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -108,10 +109,12 @@ def _redact(url: str) -> str:
 
 @dataclass
 class _ConnectionLog:
-    """One log line when the bus goes away (with the first error) and one when it is back."""
+    """One log line when the bus goes away (with the first error) and one when it is back; and since when
+    the connection has been up (`Bus.heard_since`)."""
     name: str
     url: str
     down: bool = False
+    up_since: float = field(default_factory=time.monotonic)
 
     async def on_error(self, e: Exception) -> None:
         if not self.down:
@@ -126,6 +129,7 @@ class _ConnectionLog:
 
     async def on_reconnected(self) -> None:
         self.down = False
+        self.up_since = time.monotonic()
         log.info("bus reconnected", client=self.name, url=self.url)
 
 
@@ -163,6 +167,14 @@ class Bus:
                 ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
             opts["tls"] = ctx
         return cls(await nats.connect(**opts), config, watch)
+
+    def heard_since(self, now: float) -> float:
+        """Since when (monotonic) this client has been able to hear the bus without a break: `now` while it
+        is cut off. Silence from a peer counts only from then (a peer is not gone because we were deaf)."""
+        watch = self.connection_log
+        if watch is None:
+            return float("-inf")
+        return now if watch.down else watch.up_since
 
     @property
     def max_message_bytes(self) -> int:

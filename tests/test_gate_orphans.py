@@ -58,6 +58,44 @@ def test_reports_without_a_boot_id_drop_nothing():
     assert a.router_report("router-0", "boot-b", 3.0) == ([], []) and "r1" in a.reservations
 
 
+
+def test_a_router_silent_past_router_timeout_loses_what_it_held():
+    """A router killed and never restarted (or cut off) sends no load report and no Release: what its process
+    held is dropped after gate.router_timeout_s, not after reservation_ttl_s (900 s). Silence counts only
+    from when the gate could hear (heard_since: its bus connection was restored then)."""
+    a = Admission(GateSettings(budget_fraction=1.0, router_timeout_s=30.0))
+    a.report("decode-0", 1000, 1000, True, 0.0)
+    a.router_report("router-0", "boot-a", 0.0)
+    a.router_report("router-1", "boot-x", 0.0)
+    assert isinstance(a.admit("r1", 300, 100, 0.1, owner="boot-a"), Admitted)
+    assert isinstance(a.admit("r2", 300, 100, 0.1, owner="boot-x"), Admitted)
+    assert isinstance(a.admit("unknown-router", 10, 0, 0.2, owner="boot-never-reported"), Admitted)  # never
+    #                                                        reported: never "gone" (the TTL still applies)
+    assert isinstance(a.admit("r3", 500, 0, 0.2, owner="boot-a"), Wait)          # over budget: waits
+    a.router_report("router-1", "boot-x", 20.0)                                   # still reporting
+    out = a.expire(29.9)
+    assert not out.gone and not out.gone_waiting
+    out = a.expire(30.0, heard_since=25.0)                                        # deaf until 25: not yet
+    assert not out.gone and not out.gone_waiting and "r1" in a.reservations
+    a.router_report("router-1", "boot-x", 50.0)
+    out = a.expire(55.0, heard_since=25.0)
+    assert [r.request_id for r in out.gone] == ["r1"] and out.gone_waiting == ["r3"]
+    assert set(a.reservations) == {"r2", "unknown-router"} and a.counters["router_gone"] == 1
+    assert "router-0" not in a.routers and "boot-a" not in a.router_seen
+    assert a.release("r1", 56.0) == "duplicate"
+    a.router_report("router-0", "boot-b", 60.0)                                   # it comes back: a fresh start
+    assert a.expire(61.0).gone == []
+    a.check_integrity()
+
+
+def test_router_timeout_zero_turns_the_silence_rule_off():
+    a = Admission(GateSettings(budget_fraction=1.0, router_timeout_s=0.0))
+    a.report("decode-0", 1000, 1000, True, 0.0)
+    a.router_report("router-0", "boot-a", 0.0)
+    assert isinstance(a.admit("r1", 300, 100, 0.1, owner="boot-a"), Admitted)
+    out = a.expire(500.0)
+    assert not out.gone and "r1" in a.reservations
+
 # ---- the router side: an admit held by a gate that dies is not waited on for admission_timeout_s ----------
 async def test_an_admit_held_by_a_gate_that_goes_ends_when_the_gate_is_gone_not_after_the_timeout():
     """Found by bench/faults.py: kill -9 of the gate (or of nats-server) while a request waited for its

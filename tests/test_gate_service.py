@@ -4,6 +4,7 @@ the thing under test is the gate. Each test gets its own gate and its own subjec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 from shared import tracing
 from shared.bus import Bus, BusConfig
-from shared.messages import AdmitReply, AdmitRequest, Holdings, LoadReport, Release
+from shared.messages import AdmitReply, AdmitRequest, Cancel, Holdings, LoadReport, Release, TokenChunk
 from shared.tracing import TracingConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,6 +187,49 @@ async def test_a_routers_holdings_free_what_it_no_longer_holds(start_gate, conne
     report = await c.gate_state(lambda d: d["release_duplicate"] == 1)
     assert report.detail["reserved_tokens"] == {"d0": 300}
 
+
+
+async def test_a_router_that_goes_silent_loses_its_budget_and_its_requests_are_cancelled(start_gate, connect):
+    """A router killed for good sends no more load reports: after gate.router_timeout_s the gate drops what
+    its process held and publishes a Cancel for each request (prefill and decode then stop it), instead of
+    holding the budget for reservation_ttl_s. Another router that keeps reporting keeps its reservation."""
+    c = await connect(start_gate("gate.router_timeout_s=1.5"))
+    cancels: asyncio.Queue[Cancel] = asyncio.Queue()
+
+    async def on_cancel(msg: Cancel, raw) -> None:
+        cancels.put_nowait(msg)
+
+    async def on_chunk(msg: TokenChunk, raw) -> None:
+        chunks.append(msg)
+
+    chunks: list[TokenChunk] = []
+    await c.bus.subscribe(c.s.cancel_all, Cancel, on_cancel)
+    await c.bus.subscribe(c.s.request_out("doomed"), TokenChunk, on_chunk)
+    await c.decode("d0", 1000, 1000)
+    await c.gate_state(lambda d: d["live_instances"] == 1)
+
+    async def router_report(name: str, boot: str) -> None:
+        await c.bus.publish(c.s.load("router", name), LoadReport(name, "router", True, detail={"boot": boot}))
+
+    await router_report("router-0", "boot-gone")
+    await router_report("router-1", "boot-alive")
+    for rid, boot in (("doomed", "boot-gone"), ("alive", "boot-alive")):
+        r = await c.bus.request(c.s.gate_admit, AdmitRequest(rid, 100, 50, router_boot=boot), AdmitReply, timeout=5)
+        assert r.status == "admitted"
+    deadline = time.monotonic() + 20
+    while True:  # router-1 keeps reporting; router-0 is silent from now on
+        await router_report("router-1", "boot-alive")
+        with contextlib.suppress(asyncio.TimeoutError):
+            got = await asyncio.wait_for(cancels.get(), 0.5)
+            break
+        assert time.monotonic() < deadline, "the silent router's request was never cancelled"
+    assert got.request_id == "doomed" and "silent" in got.reason
+    await router_report("router-1", "boot-alive")
+    report = await c.gate_state(lambda d: d["router_gone"] == 1)
+    assert report.detail["reservations"] == 1 and report.detail["reserved_tokens"] == {"d0": 150}
+    assert cancels.empty()
+    [chunk] = chunks  # a router that was only frozen ends the request with a 503 when it wakes
+    assert chunk.finished and chunk.error["status"] == 503 and "silent" in chunk.error["message"]
 
 async def test_no_decode_means_503_style_rejection(start_gate, connect):
     c = await connect(start_gate())

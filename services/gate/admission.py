@@ -17,7 +17,9 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
 - The queue is strict FIFO: `drain` admits from the head while the head fits, and a new request
   queues behind any waiting one, so a big request at the head is never overtaken for ever.
 - `expire` rejects requests that waited `admission_wait_s` and drops reservations older than
-  `reservation_ttl_s` (their router died).
+  `reservation_ttl_s` (their router died). What a router process holds (reservations, waiting admits)
+  is dropped once it has sent no load report for `router_timeout_s` (counted "router_gone"), or at
+  once when its instance reports another process (`router_report`, counted "orphaned").
 - Every rejection carries `retry_after_s`, an estimate of when the tokens could be had
   (`retry_after`): the tokens that must be freed first (the queue ahead, plus the request, less the
   budget free now) over the rate releases freed budget at in the last `release_window_s`, within
@@ -77,6 +79,8 @@ class Rejected:
 class Expiry:
     rejected: list[Rejected] = field(default_factory=list)      # waited too long
     reservations: list[Reservation] = field(default_factory=list)  # never released: dropped
+    gone: list[Reservation] = field(default_factory=list)       # their router process went silent: dropped
+    gone_waiting: list[str] = field(default_factory=list)       # waiting for a router that went silent: dequeued
 
 
 # ---- state -------------------------------------------------------------------------------------
@@ -132,9 +136,10 @@ class Admission:
         self._freed: deque[tuple[float, int]] = deque()  # (when, tokens) budget given back, release_window_s
         self._since: float | None = None  # first time we were asked anything (the window's start, early on)
         self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
-                             release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0,
+                             release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0, router_gone=0,
                              admit_after_release=0)
         self.routers: dict[str, str] = {}  # router instance -> the boot id of its process, from its load reports
+        self.router_seen: dict[str, float] = {}  # router process (boot id) -> when it last reported
 
     # ---- decode instances --------------------------------------------------------------------
     def report(self, instance: str, capacity_tokens: int, free_tokens: int, ready: bool, now: float) -> None:
@@ -238,10 +243,21 @@ class Admission:
             out.append(self._reserve(w, inst, now))
         return out
 
-    def expire(self, now: float) -> Expiry:
+    def expire(self, now: float, heard_since: float = float("-inf")) -> Expiry:
         """Reject requests that waited admission_wait_s; drop reservations older than reservation_ttl_s;
-        forget instances silent for reservation_ttl_s that hold nothing."""
+        forget instances silent for reservation_ttl_s that hold nothing; drop what a router process holds
+        (reservations and waiting admits) once it has sent no load report for router_timeout_s, counted
+        from `heard_since` at the earliest (when this gate's bus connection was last restored: a router is
+        not silent while we could not hear it)."""
         s, out = self.settings, Expiry()
+        if s.router_timeout_s:
+            cutoff = now - s.router_timeout_s
+            for boot in [b for b, seen in self.router_seen.items() if max(seen, heard_since) <= cutoff]:
+                del self.router_seen[boot]
+                self.routers = {i: b for i, b in self.routers.items() if b != boot}
+                dropped, waiting = self._drop_owner(boot, "router_gone", now)
+                out.gone += dropped
+                out.gone_waiting += waiting
         for w in [w for w in self.queue.values() if now - w.enqueued_at >= s.admission_wait_s]:
             del self.queue[w.request_id]
             self.counters["rejected"] += 1
@@ -267,13 +283,20 @@ class Admission:
         old = self.routers.get(instance)
         if boot:
             self.routers[instance] = boot
+            self.router_seen[boot] = now
         if not boot or not old or old == boot:
             return [], []
-        dropped = [r for r in self.reservations.values() if r.owner == old]
+        self.router_seen.pop(old, None)
+        return self._drop_owner(old, "orphaned", now)
+
+    def _drop_owner(self, owner: str, how: str, now: float) -> tuple[list[Reservation], list[str]]:
+        """Drop every reservation of the router process `owner` (counted `how`) and take its waiting
+        requests out of the queue (counted "cancelled"). Returns both."""
+        dropped = [r for r in self.reservations.values() if r.owner == owner]
         for r in dropped:
-            self._drop(r, "orphaned", now)
-            self.counters["orphaned"] += 1
-        waiting = [w.request_id for w in self.queue.values() if w.owner == old]
+            self._drop(r, how, now)
+            self.counters[how] += 1
+        waiting = [w.request_id for w in self.queue.values() if w.owner == owner]
         for rid in waiting:
             del self.queue[rid]
             self.counters["cancelled"] += 1

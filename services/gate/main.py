@@ -21,9 +21,10 @@ import msgpack
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from services.gate.admission import Admission, Admitted, Invalid, Rejected, Wait
+from services.gate.admission import Admission, Admitted, Invalid, Rejected, Reservation, Wait
 from shared.bus import Bus
-from shared.messages import AdmitReply, AdmitRequest, Holdings, LoadReport, MessageError, Release
+from shared.messages import (AdmitReply, AdmitRequest, Cancel, Holdings, LoadReport, MessageError, Release, TokenChunk,
+                             error_info)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -152,12 +153,26 @@ class Gate:
         dropped, waiting = self.admission.router_report(msg.instance, boot if isinstance(boot, str) else "",
                                                         time.monotonic())
         if dropped or waiting:
-            self.log.warning("router restarted: dropped what its previous process held", router=msg.instance,
-                             reservations=len(dropped), tokens=sum(r.tokens for r in dropped), waiting=len(waiting))
-            for rid in waiting:
-                await self.answer(Rejected(rid, "the router that asked was restarted", 0.0,
-                                           self.admission.settings.retry_after_s, unavailable=True))
-            self.wake.set()
+            await self.router_gone(dropped, waiting, "restarted", router=msg.instance)
+
+    async def router_gone(self, dropped: list[Reservation], waiting: list[str], how: str, **where) -> None:
+        """A router process is gone (`how`: restarted, or silent past router_timeout_s): its reservations were
+        dropped and its waiting admits dequeued. Nobody reads those requests' tokens any more, so each gets
+        a Cancel on the bus (prefill and decode stop it and free its KV) and a final error chunk (a router
+        that was only frozen, and wakes, ends it with a 503 instead of waiting for tokens that never come);
+        each waiting admit is answered."""
+        self.log.warning(f"router {how}: dropped what its process held", reservations=len(dropped),
+                         tokens=sum(r.tokens for r in dropped), waiting=len(waiting), **where)
+        for r in dropped:
+            reason, rid = f"its router was {how}", r.request_id
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.bus.subjects.cancel(rid), Cancel(rid, reason))
+                await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
+                    rid, [], "", True, "error", None, error_info(503, f"request ended: {reason}")))
+        for rid in waiting:
+            await self.answer(Rejected(rid, f"the router that asked was {how}", 0.0,
+                                       self.admission.settings.retry_after_s, unavailable=True))
+        self.wake.set()
 
     def on_malformed_admit(self, err: Exception, raw: Msg) -> AdmitReply:
         self.malformed += 1
@@ -206,7 +221,10 @@ class Gate:
         now = time.monotonic()
         for admitted in self.admission.drain(now):
             await self.answer(admitted)
-        expiry = self.admission.expire(now)
+        expiry = self.admission.expire(now, self.bus.heard_since(now))
+        if expiry.gone or expiry.gone_waiting:
+            await self.router_gone(expiry.gone, expiry.gone_waiting, "silent",
+                                   silent_s=self.admission.settings.router_timeout_s)
         for rejected in expiry.rejected:
             await self.answer(rejected)
         for r in expiry.reservations:

@@ -1,7 +1,8 @@
 """`moorage up --set up.trace_ui=phoenix`: Phoenix starts with the system, every service exports to it,
 and each request is one trace there with every service's spans under the right parents (read back
 through Phoenix's REST API). Then headless Chromium renders the trace page: its DOM must list the
-services' spans, and its screenshot goes to bench/results/phoenix-trace.png.
+services' spans, and its screenshot is taken (into the test's tmp dir; with MOORAGE_UPDATE_SCREENSHOT=1 it
+replaces bench/results/phoenix-trace.png, so a plain test run leaves the tree clean).
 
 Needs Phoenix (the [ui] extra or .venv-phoenix, made by infra/dev-env.sh) and Debian's `chromium`
 (also installed by dev-env.sh): it fails, rather than skips, when they are missing.
@@ -9,6 +10,7 @@ Needs Phoenix (the [ui] extra or .venv-phoenix, made by infra/dev-env.sh) and De
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -98,7 +100,7 @@ def test_phoenix_shows_one_trace_per_request_across_services(tmp_path):
             for name in ("router.request", "gate.admit", "store.restore", "prefill.compute", "kv.handoff",
                          "decode.generate"):
                 assert name in dom.stdout, f"{name} not on Phoenix's trace page"
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            shot = headless(page, f"--screenshot={SCREENSHOT}")
-            assert shot.returncode == 0 and SCREENSHOT.stat().st_size > 20_000, shot.stderr[-2000:]
+            png = SCREENSHOT if os.environ.get("MOORAGE_UPDATE_SCREENSHOT") == "1" else tmp_path / SCREENSHOT.name
+            shot = headless(page, f"--screenshot={png}")
+            assert shot.returncode == 0 and png.stat().st_size > 20_000, shot.stderr[-2000:]
         assert phoenix.process.poll() is not None  # stopped with the system

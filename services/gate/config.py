@@ -20,7 +20,7 @@ class GateSettings:
     retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
     release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
     holdings_grace_s: float = 5.0       # a reservation a router's Holdings no longer lists is dropped once this old
-    router_timeout_s: float = 30.0      # a router process with no load report this long is gone: what it holds is dropped and its requests cancelled (0: off)
+    router_timeout_s: float = 30.0      # a router process with no load report this long is gone: what it holds is dropped and its requests cancelled (0: off; keep it well above the routers' load_interval_s)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget_fraction <= 1.0:

@@ -1,11 +1,15 @@
 """KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
 router as processes, started with infra.up.Launcher; one system per model, default 8 MiB slots).
 
-Run from the repository root (full run: ~4-5 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
-prefill; --quick: tiny, 2K, R=1, N=10, ~20 s):
+Run from the repository root (full run: ~9 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
+prefill, once per mode; --quick: tiny, 2K, direct only, R=1, N=10, ~30 s):
 
     .venv/bin/python -m bench.handoff --out bench/results/handoff.json
     .venv/bin/python -m bench.handoff --quick --out bench/results/handoff-quick.json
+
+Handoff modes: `direct` (the default: prefill's blocks straight into decode's pages) and `slots` (the
+staged path: gather, landing slots, scatter); a full run starts one system per model and mode, one
+after the other, with the same prompts, so both are measured against the same raw baseline in one run.
 
 1. Handoff: each prompt (random token ids, seeded) goes through the router once to warm (computes the
    prefill) and then R more times (the prefix cache makes prefill nearly free; the handoff still moves
@@ -39,6 +43,7 @@ from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
 from shared.tracing import read_spans
+from shared.transfer import DEFAULT_MAX_BATCH as MAX_BATCH
 from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport, plan_writes
 from infra.up import Launcher, UpConfig
 
@@ -47,9 +52,10 @@ SMOL = "smollm2-135m"
 BLOCKS = 1024  # per engine: 16384 tokens, so a cached 2K and an 8K prompt fit on prefill (gate: 90% of decode's)
 TRACE_NAMES = ("router.request", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate")
 FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=3, raw_per_repeat=2, overhead_n=50,
-            overhead_warm=5)
+            overhead_warm=5, modes=["direct", "slots"])
 QUICK = dict(models=["tiny"], prompts=[2048], repeats=1, raw_per_repeat=3, overhead_n=10,
-             overhead_warm=3)
+             overhead_warm=3, modes=["direct"])
+MODE_SET = {"direct": "prefill.transfer.direct=true", "slots": "prefill.transfer.direct=false"}
 
 
 def log(msg: str) -> None:
@@ -111,9 +117,14 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
         log(f"{model} {n} tok: warm request {warm_s:.1f} s")
         warm = wait_spans(traces, ("kv.handoff",), {rid})["kv.handoff"][rid]["attributes"]
         nbytes, writes = warm["bytes"], warm["writes"]
-        window = DEFAULT_SLOT_BYTES  # the handoff's windows: exactly one slot each, the last one shorter
-        pieces = [length for _, length in plan_writes(nbytes, window)]
-        assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
+        if warm.get("mode") == "direct":  # spans of consecutive blocks, straight into decode's pages
+            pieces = list(warm["entry_bytes"])
+            window = max(pieces)
+            assert sum(pieces) == nbytes and writes == -(-len(pieces) // MAX_BATCH), (pieces, writes)
+        else:
+            window = DEFAULT_SLOT_BYTES  # the handoff's windows: exactly one slot each, the last one shorter
+            pieces = [length for _, length in plan_writes(nbytes, window)]
+            assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
         raw, raw_s, reps = RawTE(pieces), [], []
         try:  # raw writes interleaved with the handoff repeats: both see the same machine load
             for _ in range(p["repeats"]):
@@ -131,12 +142,13 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
     cases = []
     for n, warm_rid, warm_s, reps, raw, window in runs:
         spans = [hand[rid]["attributes"] | {"duration_ms": hand[rid]["duration_ms"]} for rid, _ in reps]
-        med = {k: statistics.median(s[k] for s in spans) for k in
-               ("duration_ms", "gather_ms", "write_ms", "scatter_ms")}
-        nbytes, writes = spans[0]["bytes"], spans[0]["writes"]
+        med = {k: statistics.median(s.get(k, 0.0) for s in spans) for k in
+               ("duration_ms", "gather_ms", "write_ms", "scatter_ms", "crc_ms", "verify_ms", "grant_ms", "done_ms")}
+        nbytes, writes, mode = spans[0]["bytes"], spans[0]["writes"], spans[0].get("mode", "slots")
         gbps, wgbps = nbytes / med["duration_ms"] / 1e6, nbytes / med["write_ms"] / 1e6
-        case = {"model": model, "prompt_tokens": n, "bytes": nbytes, "MB": nbytes / 1e6, "writes": writes,
-                "writes_expected": -(-nbytes // DEFAULT_SLOT_BYTES),
+        case = {"model": model, "prompt_tokens": n, "mode": mode, "bytes": nbytes, "MB": nbytes / 1e6,
+                "writes": writes, "entries": raw["pieces"],
+                "writes_expected": -(-raw["pieces"] // MAX_BATCH) if mode == "direct" else -(-nbytes // DEFAULT_SLOT_BYTES),
                 "rounds": spans[0]["rounds"], "piece_bytes": window, "repeats": len(spans),
                 **{f"median_{k}": v for k, v in med.items()},
                 "median_other_ms": med["duration_ms"] - med["gather_ms"] - med["write_ms"] - med["scatter_ms"],
@@ -148,7 +160,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
                 "repeat_tokens_reused": [comp[rid]["attributes"]["tokens_reused"] for rid, _ in reps],
                 "warm_request_s": warm_s, "warm_handoff_ms": hand[warm_rid]["duration_ms"],
                 "warm_prefill_compute_ms": comp[warm_rid]["duration_ms"]}
-        log(f"{model} {n} tok: handoff {case['median_duration_ms']:.1f} ms = {gbps:.2f} GB/s "
+        log(f"{model} {n} tok, {mode}: handoff {case['median_duration_ms']:.1f} ms = {gbps:.2f} GB/s "
             f"(write-only {wgbps:.2f}), raw TE {raw['GBps']:.2f} GB/s")
         cases.append(case)
     return cases
@@ -157,11 +169,12 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
 EXTRA: list[str] = []  # --set overrides, after the bench's own
 
 
-def run_system(model: str, p: dict, g: torch.Generator, overhead: bool) -> tuple[list[dict], dict | None]:
+def run_system(model: str, mode: str, p: dict, overhead: bool) -> tuple[list[dict], dict | None]:
+    g = torch.Generator().manual_seed(SEED)  # the same prompts in every mode
     with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[
             f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
-            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", *EXTRA])
+            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", MODE_SET[mode], *EXTRA])
         launcher = Launcher(cfg)
         try:
             base = launcher.start()
@@ -189,9 +202,11 @@ def report(r: dict) -> str:
             f"{m['loadavg_1m_5m_15m'][0]:.2f} / end {m['loadavg_at_end'][0]:.2f}; matmul calibration start "
             f"{m['calibration_matmul_GFLOPs_at_start']:.1f} / end {m['calibration_matmul_GFLOPs_at_end']:.1f} GFLOP/s; "
             f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
-    t1 = md_table(["model", "prompt tok", "MB", "writes", "ceil(B/slot)", "rounds", "handoff ms", "gather ms", "write ms", "scatter ms",
-                   "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "handoff/raw", "write/raw"],
-                  [[c["model"], c["prompt_tokens"], c["MB"], c["writes"], c["writes_expected"], c["rounds"], c["median_duration_ms"],
+    t1 = md_table(["model", "prompt tok", "mode", "MB", "writes", "expected", "spans", "rounds", "handoff ms", "gather ms",
+                   "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "handoff/raw",
+                   "write/raw"],
+                  [[c["model"], c["prompt_tokens"], c.get("mode", "slots"), c["MB"], c["writes"], c["writes_expected"],
+                    c.get("entries", c["writes"]), c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
                     c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["ratio_handoff_vs_raw"],
                     c["ratio_write_vs_raw"]] for c in r["handoff"]])
@@ -223,7 +238,8 @@ def plot(r: dict, path: str) -> None:
                                       ("raw_GBps", "raw TE batch write, same bytes"))):
         bars = ax.bar([i + (j - 1) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks(range(len(cs)), [f"{c['model']}\n{c['prompt_tokens']} tok\n{c['MB']:.0f} MB, {c['writes']} writes"
+    ax.set_xticks(range(len(cs)), [f"{c['model']}\n{c['prompt_tokens']} tok, {c.get('mode', 'slots')}\n"
+                                   f"{c['MB']:.0f} MB, {c['writes']} writes"
                                    for c in cs], fontsize=8)
     ax.set_ylabel("GB/s (1e9 B / median time)")
     ax.set_title("KV handoff throughput vs raw Transfer Engine")
@@ -248,18 +264,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny only, 2K only, R=1, N=10 (< 2 minutes)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/handoff-<time>/handoff.json, "
                                                 "gitignored; pass bench/results/handoff.json to update the committed one)")
+    ap.add_argument("--modes", default=None, help="handoff modes to run, comma-separated: direct,slots "
+                                                  "(default: both in a full run, direct in --quick)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override for the systems (repeatable), e.g. prefill.transfer.copy_threads=1")
     args = ap.parse_args(argv)
     EXTRA[:] = args.set
     args.out = args.out or f"runs/handoff-{time.strftime('%Y%m%d-%H%M%S')}/handoff.json"
-    p, info, t_start = (QUICK if args.quick else FULL), machine_info(), time.perf_counter()
-    g = torch.Generator().manual_seed(SEED)
+    p, info, t_start = dict(QUICK if args.quick else FULL), machine_info(), time.perf_counter()
+    if args.modes:
+        p["modes"] = [m for m in args.modes.split(",") if m]
+        if not p["modes"] or set(p["modes"]) - set(MODE_SET):
+            ap.error(f"--modes takes {', '.join(MODE_SET)}")
     handoff, overhead = [], None
     for model in p["models"]:
-        cases, over = run_system(model, p, g, overhead=model == "tiny")
-        handoff += cases
-        overhead = over or overhead
+        for mode in p["modes"]:  # one system per mode, one after the other: the same prompts, a close machine state
+            cases, over = run_system(model, mode, p, overhead=model == "tiny" and mode == p["modes"][0])
+            handoff += cases
+            overhead = over or overhead
     result = {
         "command": " ".join(["python -m bench.handoff", *(argv if argv is not None else sys.argv[1:])]),
         "machine": info,
@@ -269,9 +291,14 @@ def main(argv: list[str] | None = None) -> None:
                   "*GBps": "1e9 bytes/second", "ratio_*": "GBps / raw_GBps"},
         "notes": [
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
-            "handoff windows are exactly one slot (8 MiB) of the rank buffer, cut at byte offsets: writes = "
-            "ceil(bytes / slot_bytes) (writes_expected); decode joins tokens cut by a window edge",
-            "gather, write and scatter are pipelined (gather of window i+1 and decode's scatter of window i-1 run "
+            "mode direct (the default): prefill's blocks are written straight into decode's pages, as spans of "
+            "blocks consecutive on both sides, in one Transfer Engine call (writes = ceil(spans / 512)); the CRC "
+            "runs in a second thread during the write (crc_ms), decode verifies in place (verify_ms); no gather, "
+            "no scatter; bytes are whole blocks (the last one's unused tail included)",
+            "mode slots (--set prefill.transfer.direct=false): windows of exactly one slot (8 MiB) of the rank "
+            "buffer, cut at byte offsets: writes = ceil(bytes / slot_bytes) (writes_expected); decode joins "
+            "tokens cut by a window edge",
+            "slots: gather, write and scatter are pipelined (gather of window i+1 and decode's scatter of window i-1 run "
             "while window i is written; HandoffDone goes out with the last SlotsFilled), so gather + write + "
             "scatter can exceed the handoff span: other ms = span - gather - write - scatter is then negative; "
             "gather_ms is time in the gathering thread (incl. CRC), scatter_ms decode's (incl. verify)",

@@ -74,6 +74,12 @@ class Subjects:
     def decode_filled(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.filled"
 
+    def decode_pages(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.pages"
+
+    def decode_pages_released(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.pages_released"
+
     def decode_landed(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.landed"
 

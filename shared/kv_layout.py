@@ -70,6 +70,25 @@ class KVLayout:
     def stage_bytes_per_token(self, stage: int) -> int:
         return len(self.stage_layers(stage)) * 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer (K and V): one block of a single-stage page."""
+        return self.block_size * self.bytes_per_token
+
+    def stage_block_bytes(self, stage: int) -> int:
+        """Bytes of one block of stage `stage`'s page (its layers only)."""
+        return self.block_size * self.stage_bytes_per_token(stage)
+
+    def stage_offset_in_block(self, stage: int) -> int:
+        """Where stage `stage`'s bytes of a block start inside the same block of a single-stage page."""
+        return self.stage_layers(stage).start * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    @property
+    def block_layout(self) -> list:
+        """What fixes the meaning of a block's bytes (not how pages are split in stages): two engines
+        whose values are equal can copy blocks to each other byte for byte (the direct handoff)."""
+        return [self.num_layers, self.num_kv_heads, self.head_dim, str(self.dtype), self.block_size]
+
     def chunk_payload_bytes(self, stage: int) -> int:
         return self.chunk_tokens * self.stage_bytes_per_token(stage)
 

@@ -238,6 +238,36 @@ class SlotsFilled(Message):
     #   fills it and decode refuses pieces without one: the request fails (503), unverified bytes never land.
 
 
+@message("pages_request")
+class PagesRequest(Message):
+    """Prefill asks a decode instance for KV blocks to write one request's KV straight into (the direct
+    handoff, services/prefill/direct.py). `block_layout` is the layout of one block's bytes
+    (KVLayout.block_layout): decode grants only when its own is the same."""
+    request_id: str
+    prefill_instance: str
+    num_tokens: int
+    block_layout: list
+
+
+@message("pages_grant")
+class PagesGrant(Message):
+    request_id: str
+    endpoint: str = ""                                # decode's transfer-engine endpoint
+    runs: list = field(default_factory=list)          # the request's blocks, in order: [[addr, count], ...] of
+    #   `count` consecutive blocks from address `addr`
+    block_bytes: int = 0                              # bytes of one block (all layers, K and V)
+    error: str = ""
+    fatal: bool = False        # asking again cannot help (cancelled, malformed); else: no room yet, ask again
+    unsupported: bool = False  # this decode takes no direct writes (layout differs, turned off): use slots
+
+
+@message("pages_released")
+class PagesReleased(Message):
+    """Prefill will write nothing more into the blocks granted for this request (its handoff failed or was
+    cancelled after the grant): decode may give them to another request now."""
+    request_id: str
+
+
 @message("handoff_done")
 class HandoffDone(Message):
     """All KV landed: decode adopts the request and continues generating."""
@@ -249,6 +279,9 @@ class HandoffDone(Message):
     token_sources: dict                                # {"device": n, "store": n, "computed": n}
     handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
     router: str = ""                                   # the router instance the request came from (its Holdings)
+    pages: list = field(default_factory=list)          # direct handoff: [[first, count, offset, nbytes, crc32c]]
+    #   per write (byte range [offset, offset + nbytes) of the granted blocks first..first+count-1, which
+    #   are consecutive in decode's pages); empty: the KV came through landing slots (SlotsFilled)
 
 
 # ---- tokens, cancellation, load ----------------------------------------------------------------

@@ -31,6 +31,7 @@ from shared.config import ConfigError
 
 DEFAULT_SLOT_BYTES = 8 * 1024 * 1024
 MAX_TCP_BATCH = 1024  # hard limit per call to one peer over tcp (see module docstring)
+DEFAULT_MAX_BATCH = 512  # pieces per Transfer Engine call (KVTransport.write splits longer lists)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class TransferConfig:
     max_slots_per_round: int = 4        # prefill: credits asked for per round trip
     timeout_s: float = 60.0             # a handoff idle this long is abandoned and its KV freed
     tcp_progress_timeout_s: int = 10    # a stuck peer fails a write after this (process-wide)
+    direct: bool = True                 # handoffs write KV straight into decode's pages when both block layouts match (no gather, no scatter); false, or a decode that cannot: through landing slots
     copy_threads: int = 0               # threads of a KV copy that overlaps a transfer: a handoff's gather (prefill) or scatter (decode), a restore's unpack (prefill); 0 = torch's
 
     def __post_init__(self) -> None:
@@ -81,7 +83,7 @@ class KVTransport:
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
                  metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
-                 max_batch: int = 512):
+                 max_batch: int = DEFAULT_MAX_BATCH):
         if not 1 <= max_batch <= MAX_TCP_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_TCP_BATCH}, got {max_batch}")
         self.hostname, self.protocol, self.max_batch = hostname, protocol, max_batch

@@ -45,12 +45,13 @@ async def running_decode(engine: Engine, num_slots: int = 4, slot_bytes: int = 1
 
 @contextlib.asynccontextmanager
 async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
-    """A prefill's HandoffSender and a decode wired as services/decode/main.py wires them, over a real
-    nats-server (`url`) and two real Transfer Engines; yields them (p_bus, d_bus, p_te, d_te, slots,
-    decode, sender) and closes everything."""
+    """A prefill's senders (staged `sender`, `direct` when cfg.direct) and a decode wired as
+    services/decode/main.py wires them, over a real nats-server (`url`) and two real Transfer Engines;
+    yields them (p_bus, d_bus, p_te, d_te, slots, decode, sender, direct) and closes everything."""
+    from services.prefill.direct import DirectSender
     from services.prefill.handoff import HandoffSender
     from shared.bus import Bus, BusConfig
-    from shared.messages import HandoffDone, SlotRequest, SlotsFilled
+    from shared.messages import HandoffDone, PagesReleased, PagesRequest, SlotRequest, SlotsFilled
     from shared.transfer import KVTransport
 
     p_bus = await Bus.connect(BusConfig(url=url), "test-prefill")
@@ -58,18 +59,22 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     p_te, d_te = KVTransport(), KVTransport()
     slots = LandingSlots(cfg.slots, cfg.slot_bytes, d_te)
     decode = DecodeService(service_ctx("decode", d_bus), d_engine,
-                           lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint))
+                           lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint), transport=d_te,
+                           direct=cfg.direct)
     decode.loop.start()
     try:
         s = d_bus.subjects
+        await d_bus.subscribe(s.decode_pages("decode-0"), PagesRequest, decode.direct.grant, concurrent=True)
+        await d_bus.subscribe(s.decode_pages_released("decode-0"), PagesReleased, decode.direct.released)
         await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant, concurrent=True)
         await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
         await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)
         await d_bus.nc.flush()
         await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
         sender = HandoffSender(p_bus, "prefill-0", p_engine.layout, p_engine.pages, p_te, cfg)
+        direct = DirectSender(p_bus, "prefill-0", p_engine.layout, p_engine.pages, p_te, cfg)
         yield SimpleNamespace(p_bus=p_bus, d_bus=d_bus, p_te=p_te, d_te=d_te, slots=slots, decode=decode,
-                              sender=sender)
+                              sender=sender, direct=direct)
     finally:
         await decode.stop()
         slots.close()

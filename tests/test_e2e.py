@@ -35,9 +35,7 @@ def system(tmp_path_factory, tiny):
             "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "decode.engine.num_blocks=96",          # 1536 tokens: the gate's budget is 1382
             "gate.gate.admission_wait_s=1", "up.ready_timeout_s=120",
-            "prefill.transfer.slot_bytes=262144",   # several writes per handoff even for short prompts
-            "decode.transfer.slot_bytes=262144", "decode.transfer.slots=4",
-        ])
+        ])  # the default handoff: prefill writes straight into decode's pages
         with launched(cfg) as (launcher, base):
             yield launcher, base, url
 
@@ -188,7 +186,8 @@ def test_one_trace_spans_every_service(system):
         "model": "tiny", "prompt": "trace me", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200
     path = launcher.run_dir / "traces.jsonl"
-    want = {"router.request", "gate.admit", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate"}
+    want = {"router.request", "gate.admit", "prefill.queue", "prefill.compute", "kv.handoff", "kv.write",
+            "decode.page_grant", "decode.generate"}
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         spans = read_spans(path)
@@ -206,7 +205,13 @@ def test_one_trace_spans_every_service(system):
     for s in trace:  # every span but the root has its parent in the same trace
         assert s is roots[0] or s["parent_span_id"] in by_id, f"{s['name']} has a dangling parent"
     assert by_id[names["decode.generate"]["parent_span_id"]]["name"] == "router.request"  # beside kv.handoff
-    assert names["kv.handoff"]["attributes"]["writes"] >= 1 and names["kv.handoff"]["attributes"]["bytes"] > 0
+    handoff = names["kv.handoff"]["attributes"]
+    assert handoff["mode"] == "direct" and handoff["writes"] == 1 and handoff["bytes"] > 0
+    assert handoff["bytes"] == sum(handoff["entry_bytes"]) and handoff["scatter_ms"] == 0  # nothing to scatter
+    for name, service in (("kv.write", "prefill"), ("decode.page_grant", "decode")):  # one each, under kv.handoff
+        [span] = [s for s in trace if s["name"] == name]
+        assert by_id[span["parent_span_id"]]["name"] == "kv.handoff" and span["service"] == service
+    assert not {"kv.gather", "decode.scatter", "decode.slot_grant"} & set(names)
 
 
 def test_status_lists_every_service(system):

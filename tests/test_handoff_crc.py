@@ -252,7 +252,7 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
 
 # ---------------------------------------------------------------- the whole system
 
-CORRUPTED = 4  # landed pieces decode corrupts (one per handoff here: a short prompt is one write)
+CORRUPTED = 4  # handoffs decode corrupts (the first span of each: the direct handoff, the default)
 MAX_TOKENS = 10
 
 
@@ -343,5 +343,7 @@ def test_corrupted_handoffs_end_in_a_retry_or_a_503_and_never_in_wrong_tokens(sy
     [decode] = [r for r in reports.values() if r.role == "decode"]
     assert decode_idle(reports), decode
     assert decode.detail["handoff_crc_failures"] == CORRUPTED and decode.detail["handoff_crc_unverified"] == 0
-    assert decode.detail["handoff_crc_verified"] == 2  # requests 3 (its retry) and 4: one piece each
+    # requests 3 (its retry) and 4: one check per span written, and a 2-block prompt is 1 span, or 2 when
+    # decode's blocks for it are not consecutive
+    assert 2 <= decode.detail["handoff_crc_verified"] <= 4
     assert decode.detail["free_slots"] == TransferConfig().slots  # every landing slot back

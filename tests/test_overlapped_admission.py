@@ -19,6 +19,7 @@ import httpx
 import pytest
 from opentelemetry import trace
 
+from services.prefill.handoff import HandoffStats
 from services.prefill.main import PrefillService
 from services.router.config import RouterSettings
 import nats.errors
@@ -51,7 +52,7 @@ class RecordingSender:
     async def send(self, decode, request_id, *args, **kwargs):
         self.sent.append((decode, request_id))
         self.called.set()
-        return SimpleNamespace(bytes=0, writes=0, rounds=0, gather_ms=0.0, write_ms=0.0, scatter_ms=0.0)
+        return HandoffStats()
 
 
 async def _prefilled(svc: PrefillService, rid: str, prompt: list[int], decode: str = "") -> None:

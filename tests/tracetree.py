@@ -23,11 +23,13 @@ EXPECTED = {
 }
 
 # A system whose one prefill has 80 device blocks (1,280 tokens of tiny's KV): a second history in the
-# same session evicts the first, so its next turn restores 2 chunks from the pool. Small slots make
-# the handoff several rounds.
+# same session evicts the first, so its next turn restores 2 chunks from the pool. The handoff is the
+# staged one (gather, landing slots, scatter: the direct handoff's spans are checked in test_e2e.py),
+# and small slots make it several rounds.
 SYSTEM = ["up.model=tiny", "up.store_bytes=67108864", "up.ready_timeout_s=180", "up.stores=1",
           "prefill.engine.num_blocks=80", "prefill.pool.min_restore_tokens=256", "decode.engine.num_blocks=512",
-          "prefill.transfer.slot_bytes=262144", "decode.transfer.slot_bytes=262144", "decode.transfer.slots=4"]
+          "prefill.transfer.direct=false", "prefill.transfer.slot_bytes=262144", "decode.transfer.slot_bytes=262144",
+          "decode.transfer.slots=4"]
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -76,6 +76,7 @@ class Landing:
     last_activity: float = field(default_factory=time.monotonic)
     scattering: int = 0    # scatters writing into `blocks` right now
     dropped: bool = False  # cancelled or expired: the last scatter to finish frees the blocks
+    writes_over: bool = True  # False while a direct handoff may still write into `blocks` (services/decode/direct.py)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
@@ -100,6 +101,7 @@ class LandingZone:
         self.cancelled: OrderedDict[str, None] = OrderedDict()
         self._background: set[asyncio.Task] = set()  # prefaults in flight (kept referenced until done)
         self._room = asyncio.Event()  # set (and replaced) whenever this zone frees slots or blocks
+        self.quarantine: dict[str, Landing] = {}  # dropped, but a direct write may still land in their blocks
 
     def is_cancelled(self, rid: str) -> bool:
         return rid in self.cancelled
@@ -322,23 +324,39 @@ class LandingZone:
         if landing is not None:
             landing.dropped = True
             landing.settled.set()
+            if not landing.writes_over:
+                landing.last_activity = time.monotonic()
+                self.quarantine[rid] = landing  # until writes_ended(rid), or expire()
             await self._free_if_idle(landing)
         return landing is not None
 
+    async def writes_ended(self, rid: str) -> None:
+        """The sender of a direct handoff will write nothing more into rid's blocks (HandoffDone, or
+        PagesReleased after a failure): a dropped landing's blocks can go back now."""
+        landing = self.quarantine.pop(rid, None) or self.landings.get(rid)
+        if landing is not None:
+            landing.writes_over = True
+            if landing.dropped:
+                await self._free_if_idle(landing)
+
     async def _free_if_idle(self, landing: Landing) -> None:
-        if landing.scattering == 0 and landing.blocks:
+        if landing.scattering == 0 and landing.writes_over and landing.blocks:
             blocks, landing.blocks = landing.blocks, []
             await self.loop.call(lambda: self.engine.block_manager.release(blocks))
             self._freed()
 
     async def expire(self, timeout_s: float) -> list[str]:
+        """Drops landings idle for timeout_s (returns their ids), and frees the blocks of dropped direct
+        landings whose sender said nothing for as long (it died mid-handoff: no write of it is still coming)."""
         now = time.monotonic()
         stale = [rid for rid, l in self.landings.items() if now - l.last_activity > timeout_s]
         for rid in stale:
             await self.drop(rid)
+        for rid in [rid for rid, l in self.quarantine.items() if now - l.last_activity > timeout_s]:
+            await self.writes_ended(rid)
         return stale
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(len(l.blocks) for l in self.landings.values()) * self.layout.block_size
+        return sum(len(l.blocks) for l in (*self.landings.values(), *self.quarantine.values())) * self.layout.block_size
 

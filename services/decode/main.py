@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.direct import DirectPages
 from services.decode.landing import LandingZone
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop
@@ -24,11 +25,11 @@ from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
 from shared.holdings import ORPHAN_REASON, Served, orphans
-from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, SlotGrant, SlotRequest, SlotsFilled,
-                             TokenChunk, error_info, make_usage)
+from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, PagesGrant, PagesReleased, PagesRequest,
+                             SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
-from shared.transfer import LandingSlots
+from shared.transfer import KVTransport, LandingSlots
 
 tracer = get_tracer("moorage.decode")
 
@@ -64,18 +65,24 @@ class Active:
 
 
 class DecodeService:
-    def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0):
+    def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0,
+                 transport: KVTransport | None = None, direct: bool = False):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
+        # the direct handoff: prefill writes into our pages (registered with `transport`) when `direct`
+        self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None)
         self.active: dict[str, Active] = {}
         self.log = ctx.log
 
     async def on_landed(self, msg: HandoffDone, raw) -> Ack:
-        rid = msg.request_id
+        rid, stats = msg.request_id, {}
         try:
-            landing = await self.zone.take_when_landed(rid)  # prefill sends this with the last SlotsFilled
+            if msg.pages:  # written straight into our pages: verified here (services/decode/direct.py)
+                landing, stats["verify_ms"] = await self.direct.land(msg)
+            else:
+                landing = await self.zone.take_when_landed(rid)  # prefill sends this with the last SlotsFilled
         except (KeyError, ValueError) as e:
             await self.zone.drop(rid)
             return Ack(rid, False, f"cannot adopt: {e}")
@@ -95,7 +102,7 @@ class DecodeService:
             span.end()
             return Ack(rid, False, "request cancelled")
         self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic(), msg.router)
-        return Ack(rid, True)
+        return Ack(rid, True, stats=stats)
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         dropped = await self.zone.drop(msg.request_id)
@@ -163,6 +170,7 @@ class DecodeService:
         return LoadReport(self.ctx.instance, "decode", unhealthy is None, e.kv_capacity_tokens, free,
                           len(e.scheduler.running), len(e.scheduler.waiting), 0, self.zone.endpoint,
                           {"landing": len(self.zone.landings), "free_slots": self.zone.slots.num_free,
+                           "quarantined": len(self.zone.quarantine),
                            "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
                            "unhealthy": unhealthy, **self.zone.checks.detail()})
 
@@ -183,11 +191,14 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
                                                                    cfg.transfer.copy_threads),
-                        cfg.holdings_grace_s)
+                        cfg.holdings_grace_s, transport, cfg.transfer.direct)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room
                             on_error=lambda e, raw: SlotGrant("", error=str(e), fatal=True), concurrent=True)
+    await ctx.bus.subscribe(s.decode_pages(ctx.instance), PagesRequest, svc.direct.grant,  # may wait for room too
+                            on_error=lambda e, raw: PagesGrant("", error=str(e), fatal=True), concurrent=True)
+    await ctx.bus.subscribe(s.decode_pages_released(ctx.instance), PagesReleased, svc.direct.released)
     await ctx.bus.subscribe(s.decode_filled(ctx.instance), SlotsFilled, svc.zone.filled,
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,

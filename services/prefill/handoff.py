@@ -76,6 +76,10 @@ class HandoffStats:
     write_ms: float = 0.0
     scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
     verify_ms: float = 0.0
+    grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
+    done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify and adoption included)
+    mode: str = "slots"      # "slots": staged through landing slots; "direct": into decode's pages (direct.py)
+    entry_bytes: list = field(default_factory=list)  # direct: the bytes of each span written
     extra: dict = field(default_factory=dict)
 
 

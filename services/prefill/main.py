@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.prefill.direct import DirectSender
 from services.prefill.events import KVEventPublisher
 from services.prefill.handoff import HandoffFailed, HandoffSender
 from shared.engine.engine import Engine, StepOutput
@@ -56,8 +57,9 @@ class Pending:
 
 class PrefillService:
     def __init__(self, ctx: ServiceContext, engine: Engine, sender: HandoffSender, assign_timeout_s: float = 45.0,
-                 holdings_grace_s: float = 5.0):
+                 holdings_grace_s: float = 5.0, direct: DirectSender | None = None):
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
+        self.direct = direct  # the direct handoff, tried first; the staged `sender` when a decode cannot take it
         self.assign_timeout_s = assign_timeout_s  # a submit without a decode waits this long for its DecodeAssign
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
@@ -253,12 +255,17 @@ class PrefillService:
             decode = await self._decode_of(p)
             span = tracer.start_span("kv.handoff", context=p.trace_ctx, attributes={
                 "request_id": rid, "tokens": len(seq.prompt_ids), "decode_instance": decode})
-            with trace.use_span(span, end_on_exit=False):
-                stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
-                                              done_context=p.trace_ctx)  # decode.generate: under router.request
+            with trace.use_span(span, end_on_exit=False):  # decode.generate: under router.request (done_context)
+                stats = None if self.direct is None else await self.direct.send(
+                    decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx)
+                if stats is None:  # that decode takes no direct writes
+                    stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
+                                                  done_context=p.trace_ctx)
             span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
-                                 "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
-                                 "scatter_ms": stats.scatter_ms})
+                                 "mode": stats.mode, "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
+                                 "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
+                                 "verify_ms": stats.verify_ms, "grant_ms": stats.grant_ms, "done_ms": stats.done_ms,
+                                 "entry_bytes": stats.entry_bytes})
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes
             self.handoff_totals["handoffs_done"] += 1
@@ -312,7 +319,8 @@ async def serve(ctx: ServiceContext) -> None:
     engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
-    svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s)
+    direct = DirectSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
+    svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s, direct)
     svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector

@@ -1,0 +1,152 @@
+"""Decode's side of the direct handoff: grant blocks of its own pages, verify them, adopt the request.
+
+Prefill writes a request's KV straight into decode's pages (services/prefill/direct.py), so there is
+nothing to scatter: decode's pages are registered with its Transfer Engine once, at start.
+
+- `grant` (PagesRequest): allocates the request's blocks into a landing of the zone (services/decode/
+  landing.py: cancel, expiry and the KV accounting are the staged path's) and answers with their
+  addresses as runs of consecutive blocks. Short of blocks it holds the request up to GRANT_HOLD_S.
+  `unsupported` when the block layouts differ, the pages are not in host memory or span several
+  stages, or transfer.direct is false: prefill then uses landing slots.
+- `land` (HandoffDone with pages): the writes must tile the granted blocks exactly, each within
+  consecutive blocks; each write's bytes are checked against its CRC-32C in a worker thread, in place,
+  before the engine adopts the blocks. A mismatch drops the landing and refuses: never wrong tokens.
+- `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped.
+
+A granted landing is `writes_over = False` until HandoffDone or PagesReleased: dropped before that
+(cancel, expiry) its blocks wait in the zone's quarantine, so a late write never lands in blocks that
+another request has been given since.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from opentelemetry.trace import Status, StatusCode
+
+from services.decode.landing import GRANT_HOLD_S, Landing, LandingZone
+from shared.engine.block_manager import OutOfBlocks
+from shared.handoff_check import MISMATCH, checksum
+from shared.logging import get_logger
+from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
+from shared.page_writes import tiling_error, to_runs
+from shared.tracing import extract_context, get_tracer
+from shared.transfer import KVTransport
+
+tracer = get_tracer("moorage.decode.direct")
+log = get_logger("decode.direct")
+
+
+class Refused(ValueError):
+    """HandoffDone's pages are malformed or failed their checksum: nothing of the request is adopted."""
+
+
+class DirectPages:
+    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True):
+        self.zone, self.layout = zone, zone.layout
+        pages = zone.engine.pages
+        self.block_bytes = self.layout.block_bytes
+        self.reason = ("transfer.direct is false" if not enabled else
+                       "decode's pages span several stages" if len(pages) != 1 else
+                       "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
+        if self.reason is None:
+            transport.register(pages[0])
+            self._base = pages[0].data_ptr()
+            self._bytes = pages[0].view(-1).view(torch.uint8)
+
+    async def grant(self, msg: PagesRequest, raw=None) -> PagesGrant:
+        with tracer.start_as_current_span("decode.page_grant", context=extract_context(getattr(raw, "headers", None)),
+                                          attributes={"request_id": msg.request_id, "tokens": msg.num_tokens}) as span:
+            reply = await self._grant(msg)
+            span.set_attributes({"runs": len(reply.runs), "error": reply.error})
+            if reply.fatal:
+                span.set_status(Status(StatusCode.ERROR, reply.error))
+            return reply
+
+    async def _grant(self, msg: PagesRequest) -> PagesGrant:
+        rid, zone = msg.request_id, self.zone
+        if self.reason is not None or msg.block_layout != self.layout.block_layout:
+            return PagesGrant(rid, error=self.reason or f"block layout {msg.block_layout} differs from decode's "
+                                                        f"{self.layout.block_layout}", unsupported=True)
+        if msg.num_tokens <= 0:
+            return PagesGrant(rid, error=f"bad token count {msg.num_tokens}", fatal=True)
+        deadline = time.monotonic() + GRANT_HOLD_S
+        n_blocks = -(-msg.num_tokens // self.layout.block_size)
+        while rid not in zone.landings:
+            if zone.is_cancelled(rid):
+                return PagesGrant(rid, error="request cancelled", fatal=True)
+            try:
+                blocks = await zone.loop.call(lambda: zone.engine.block_manager.allocate(n_blocks))
+            except OutOfBlocks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return PagesGrant(rid, error="no free KV blocks yet")
+                await zone._wait_for_room(remaining, blocks=True)
+                continue
+            if zone.is_cancelled(rid) or rid in zone.landings:  # cancelled, or a duplicate request won, meanwhile
+                await zone.loop.call(lambda: zone.engine.block_manager.release(blocks))
+                continue
+            zone.landings[rid] = Landing(blocks, msg.num_tokens, n_blocks * self.block_bytes, writes_over=False)
+            zone._spawn(zone._prefault(blocks))  # while prefill reads the grant and starts writing
+        landing = zone.landings[rid]
+        if landing.writes_over:  # a staged landing of the same id
+            return PagesGrant(rid, error="request is already landing through slots", fatal=True)
+        landing.last_activity = time.monotonic()
+        return PagesGrant(rid, zone.endpoint, [[self._base + b * self.block_bytes, n] for b, n in to_runs(landing.blocks)],
+                          self.block_bytes)
+
+    async def released(self, msg: PagesReleased, raw=None) -> None:
+        await self.zone.drop(msg.request_id)
+        await self.zone.writes_ended(msg.request_id)
+
+    async def land(self, msg: HandoffDone) -> tuple[Landing, float]:
+        """The verified landing, taken from the zone for the engine to adopt, and the ms verification took.
+        Raises KeyError (unknown or cancelled) or Refused (the landing is dropped)."""
+        rid, zone = msg.request_id, self.zone
+        await zone.writes_ended(rid)
+        landing = zone.landings.get(rid)
+        if landing is None:
+            raise KeyError(rid)
+        reason = tiling_error(msg.pages, len(landing.blocks), self.block_bytes) or self._consecutive_error(landing, msg)
+        if reason is not None:
+            await zone.drop(rid)
+            raise Refused(reason)
+        landing.scattering += 1  # a drop meanwhile frees the blocks only once this check let go of them
+        try:
+            t = time.perf_counter()
+            reason = await zone.loop.run_in_worker(lambda: self._verify(landing, msg.pages))
+            verify_ms = (time.perf_counter() - t) * 1e3
+        finally:
+            landing.scattering -= 1
+        if landing.dropped:
+            await zone._free_if_idle(landing)
+            raise KeyError(rid)
+        if reason is not None:
+            zone.checks.failures += 1
+            log.warning("handoff checksum mismatch: request failed, its KV freed", request_id=rid, reason=reason)
+            await zone.drop(rid)
+            raise Refused(f"{MISMATCH} ({reason})")
+        zone.checks.verified += len(msg.pages)
+        landing.received_bytes = landing.total_bytes
+        landing.settled.set()
+        return zone.take(rid), verify_ms
+
+    def _consecutive_error(self, landing: Landing, msg: HandoffDone) -> str | None:
+        for first, count, *_ in msg.pages:
+            run = landing.blocks[first:first + count]
+            if run != list(range(run[0], run[0] + count)):
+                return f"write over blocks {first}..{first + count - 1} that are not consecutive in decode's pages"
+        return None
+
+    def _verify(self, landing: Landing, writes: list) -> str | None:
+        """Worker thread: None when every write's bytes in the pages match its checksum; else why not."""
+        for i, (first, _count, offset, nbytes, crc) in enumerate(writes):
+            lo = landing.blocks[first] * self.block_bytes + offset
+            view = self._bytes[lo:lo + nbytes]
+            if i == 0:
+                self.zone.faults.apply(view)
+            got = checksum(view)
+            if got != crc:
+                return f"write {i} (blocks {first}.., {nbytes} bytes): crc32c {got:08x}, prefill sent {crc:08x}"
+        return None

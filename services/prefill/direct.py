@@ -1,0 +1,143 @@
+"""Prefill's direct handoff: the KV goes from prefill's pages straight into decode's, no copy on either side.
+
+Both page sets are block-major and registered with their Transfer Engines (decode's: services/decode/
+direct.py), so when both engines' blocks have the same layout (`KVLayout.block_layout`) a request's
+blocks are moved as they are:
+
+1. PagesRequest -> decode allocates the request's blocks and answers with their addresses (runs of
+   consecutive blocks). Short of blocks it holds the request a while and answers when room comes back.
+2. One batched Transfer Engine write of every run (shared/page_writes.py: usually one or a few spans);
+   meanwhile a second thread computes the CRC-32C of the same bytes (read-only, in place).
+3. HandoffDone carries the writes and their checksums; decode verifies its blocks before it adopts the
+   request (a mismatch refuses it: HandoffFailed, a 503 the router retries once), and the Ack ends it.
+
+Replaces the staged path (services/prefill/handoff.py: gather into staging buffers, landing slots,
+scatter), which stays for decodes that answer `unsupported` and for transfer.direct = false.
+
+A handoff that fails or is cancelled after its grant publishes PagesReleased once its write thread has
+ended: decode keeps a dropped request's granted blocks out of use until then (or transfer.timeout_s), so
+a late write can never land in blocks another request has been given.
+
+Tracing: the caller's `kv.handoff` span is current; the write is one `kv.write` span, decode's grant a
+`decode.page_grant` span; HandoffDone goes out under `done_context` like the staged path's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import torch
+from opentelemetry import context as otel_context
+
+from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread
+from shared.bus import Bus
+from shared.handoff_check import checksum
+from shared.kv_layout import KVLayout
+from shared.messages import Ack, HandoffDone, PagesGrant, PagesReleased, PagesRequest
+from shared.page_writes import PageWrite, expand_runs, plan
+from shared.tracing import get_tracer
+from shared.transfer import KVTransport, TransferConfig
+
+tracer = get_tracer("moorage.prefill.direct")
+
+
+class DirectSender:
+    def __init__(self, bus: Bus, instance: str, layout: KVLayout, pages: list[torch.Tensor],
+                 transport: KVTransport, config: TransferConfig):
+        self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
+        self.transport, self.config = transport, config
+        self.enabled = config.direct and all(p.device.type == "cpu" for p in pages)
+        if self.enabled:
+            for p in pages:
+                transport.register(p)
+        self._bytes = [p.view(-1).view(torch.uint8) for p in pages]  # each stage page, flat
+
+    async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
+                   done: HandoffDone, done_context: otel_context.Context | None = None) -> HandoffStats | None:
+        """Moves the KV of tokens [0, num_tokens) into `decode`'s pages and hands the request over; None
+        (nothing done) when that decode takes no direct writes: use the staged sender."""
+        if not self.enabled:
+            return None
+        n_blocks = -(-num_tokens // self.layout.block_size)
+        t, completed = time.perf_counter(), False
+        try:
+            grant = await self._grant(decode, request_id, num_tokens)
+            if grant is None:
+                completed = True  # decode allocated nothing
+                return None
+            stats = HandoffStats(mode="direct", grant_ms=(time.perf_counter() - t) * 1e3)
+            addrs = expand_runs(grant.runs, n_blocks, grant.block_bytes)
+            writes = plan(block_table[:n_blocks], addrs, self.layout)
+            srcs = [self.pages[w.stage].data_ptr() + w.src_block * self.layout.stage_block_bytes(w.stage)
+                    for w in writes]
+            dsts = [addrs[w.first] + w.offset for w in writes]
+            lengths = [w.nbytes for w in writes]
+            t = time.perf_counter()
+            with tracer.start_as_current_span("kv.write", attributes={
+                    "round": 0, "writes": len(writes), "bytes": sum(lengths), "endpoint": grant.endpoint}):
+                crcs = asyncio.ensure_future(_finish_thread(self._checksums, writes))
+                wrote = asyncio.ensure_future(_finish_thread(self.transport.write, grant.endpoint, srcs, dsts,
+                                                             lengths))
+                try:
+                    await asyncio.gather(crcs, wrote)
+                finally:  # both threads have ended before anything else happens (a cancel waits for them)
+                    for task in (crcs, wrote):
+                        task.cancel()
+                    await asyncio.gather(crcs, wrote, return_exceptions=True)
+            sums, stats.crc_ms = crcs.result()
+            stats.write_ms = (time.perf_counter() - t) * 1e3
+            stats.bytes, stats.writes, stats.rounds = sum(lengths), self._batches(len(writes)), 1
+            stats.entry_bytes = lengths
+            done.pages = [w.wire(c) for w, c in zip(writes, sums)]
+            done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": 1, "mode": "direct",
+                            "entries": len(writes)}
+            t = time.perf_counter()
+            ack = await self._send_done(decode, done, done_context)
+            stats.done_ms = (time.perf_counter() - t) * 1e3
+            if not ack.ok:
+                raise HandoffFailed(f"decode refused the request: {ack.error}")
+            stats.verify_ms = float(ack.stats.get("verify_ms", 0.0))
+            completed = True
+            return stats
+        finally:
+            if not completed:  # failed or cancelled, and no write thread runs any more: decode may reuse the
+                # blocks it granted (or drops the grant it is about to make; the request fails anyway)
+                with contextlib.suppress(Exception):
+                    await self.bus.publish(self.bus.subjects.decode_pages_released(decode), PagesReleased(request_id))
+
+    def _batches(self, n: int) -> int:
+        """Transfer Engine calls a write of n spans takes (KVTransport.write batches them)."""
+        return -(-n // self.transport.max_batch)
+
+    def _checksums(self, writes: list[PageWrite]) -> tuple[list[int], float]:
+        """Worker thread: the CRC-32C of each write's source bytes, and the ms they took."""
+        t = time.perf_counter()
+        sums = []
+        for w in writes:
+            lo = w.src_block * self.layout.stage_block_bytes(w.stage)
+            sums.append(checksum(self._bytes[w.stage][lo:lo + w.nbytes]))
+        return sums, (time.perf_counter() - t) * 1e3
+
+    async def _grant(self, decode: str, request_id: str, num_tokens: int) -> PagesGrant | None:
+        """Decode's blocks for the request, asking again while it is short of room; None: unsupported."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            grant = await self.bus.request(self.bus.subjects.decode_pages(decode), PagesRequest(
+                request_id, self.instance, num_tokens, self.layout.block_layout), PagesGrant)
+            if grant.unsupported:
+                return None
+            if grant.runs:
+                return grant
+            if grant.fatal or time.monotonic() > deadline:
+                raise HandoffFailed(grant.error or "decode granted no KV blocks in time")
+            # else decode held the request until its hold time passed: asking again at once is no busy loop
+
+    def _send_done(self, decode: str, done: HandoffDone, done_context) -> asyncio.Future:
+        token = otel_context.attach(done_context) if done_context is not None else None
+        try:  # the request copies the current context: HandoffDone's trace parent is done_context
+            return asyncio.ensure_future(self.bus.request(self.bus.subjects.decode_landed(decode), done, Ack))
+        finally:
+            if token is not None:
+                otel_context.detach(token)

@@ -1,0 +1,270 @@
+"""The direct handoff (issue 11, item 5): prefill writes a request's blocks straight into decode's pages,
+decode verifies them in place, and what it adopts is exactly the prefill's KV: greedy output equals a
+from-scratch computation token for token.
+
+- pure: the write plan (runs coalesced on both sides, one write per block and stage when prefill's pages
+  are split in stages), the grant's runs, decode's tiling check;
+- in process, real Transfer Engines over loopback and a real nats-server, the tiny model on both sides:
+  a single-stage and a 3-stage prefill; a byte corrupted in flight by a second Transfer Engine write
+  fails that request cleanly and frees its blocks; a decode that takes no direct writes answers
+  `unsupported` and the staged path carries the request;
+- a handoff cancelled during its write: decode holds the blocks until prefill's write thread has ended
+  and its PagesReleased came;
+- decode's zone with a real engine: a request dropped (cancelled) while its write may still be in flight
+  keeps its blocks out of use until prefill's PagesReleased, a HandoffDone, or expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+
+import pytest
+import torch
+
+from services.decode.direct import DirectPages
+from services.prefill.handoff import HandoffFailed
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.kv_layout import KVLayout
+from shared.messages import Cancel, HandoffDone, PagesReleased, PagesRequest
+from shared.page_writes import PageWrite, expand_runs, plan, tiling_error, to_runs
+from shared.transfer import KVTransport, TransferConfig
+from tests.decode_zone import collect_chunks, handoff_pair, running_decode
+
+NUM_BLOCKS = 32
+
+
+# ---------------------------------------------------------------- pure
+
+
+def test_runs_and_their_addresses():
+    assert to_runs([4, 5, 6, 9, 3, 4]) == [(4, 3), (9, 1), (3, 2)]
+    assert to_runs([]) == []
+    assert expand_runs([[1000, 2], [5000, 1]], 3, 100) == [1000, 1100, 5000]
+    for bad in ([[1000, 2]], [[1000, 0], [0, 3]], [[1000, -1]], [["x", 1]], [[1, 2, 3]]):
+        with pytest.raises(ValueError):
+            expand_runs(bad, 3, 100)
+
+
+def test_plan_coalesces_blocks_consecutive_on_both_sides():
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8)
+    bb = layout.block_bytes
+    dst = [10 * bb, 11 * bb, 12 * bb, 40 * bb, 41 * bb]
+    assert plan([7, 8, 3, 4, 5], dst, layout) == [
+        PageWrite(0, 7, 0, 2, 0, 2 * bb),   # src 7,8 and dst 10,11: one span
+        PageWrite(0, 3, 2, 1, 0, bb),       # src jumps back: dst 12 alone
+        PageWrite(0, 4, 3, 2, 0, 2 * bb)]   # src 4,5 and dst 40,41
+    assert plan([0, 1, 2, 3, 4], [i * bb for i in range(5)], layout) == [PageWrite(0, 0, 0, 5, 0, 5 * bb)]
+    with pytest.raises(ValueError):
+        plan([1, 2], [0], layout)
+
+
+def test_plan_with_stages_writes_each_stage_at_its_offset_in_decode_block():
+    layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=8, stages=2)  # layers 0-2 and 3-4
+    per_layer = 2 * layout.block_size * 2 * 8 * 4
+    writes = plan([3, 4], [0, layout.block_bytes], layout)
+    assert writes == [PageWrite(0, 3, 0, 1, 0, 3 * per_layer), PageWrite(1, 3, 0, 1, 3 * per_layer, 2 * per_layer),
+                      PageWrite(0, 4, 1, 1, 0, 3 * per_layer), PageWrite(1, 4, 1, 1, 3 * per_layer, 2 * per_layer)]
+    assert tiling_error([w.wire(0) for w in writes], 2, layout.block_bytes) is None
+
+
+def test_tiling_must_cover_the_blocks_exactly_once():
+    bb = 100
+    assert tiling_error([[0, 2, 0, 200, 5], [2, 1, 0, 100, 6]], 3, bb) is None
+    assert "cover 200 of 300" in tiling_error([[0, 2, 0, 200, 5]], 3, bb)
+    assert "gap" in tiling_error([[0, 1, 0, 100, 5], [2, 1, 0, 100, 6]], 3, bb)
+    assert "overlap" in tiling_error([[0, 2, 0, 200, 5], [1, 2, 0, 200, 6]], 3, bb)
+    assert "bad write" in tiling_error([[0, 4, 0, 400, 5]], 3, bb)       # beyond the granted blocks
+    assert "bad write" in tiling_error([[0, 1, 50, 100, 5]], 3, bb)      # past the end of its one block
+    assert "bad write" in tiling_error([[0, 1, 0, 100, 1 << 32]], 1, bb)  # not a 32-bit crc
+    assert "bad write" in tiling_error([[0, 1, 0]], 1, bb)
+    assert "cover" in tiling_error([], 1, bb)
+
+
+# ---------------------------------------------------------------- real Transfer Engines + nats, in process
+
+
+def _prefill(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], HandoffDone]:
+    seq = engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
+    while not engine.step():
+        pass
+    return list(seq.block_table), HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text,
+                                              params.to_dict(), {"device": 0, "store": 0, "computed": len(prompt)})
+
+
+async def _generated(h, bus, engine, rid, prompt, params) -> tuple[list[int], object]:
+    chunks, finished = await collect_chunks(bus, rid)
+    table, done = _prefill(engine, rid, prompt, params)
+    try:
+        stats = await h.direct.send("decode-0", rid, table, len(prompt), done)
+    finally:
+        engine.block_manager.release(reversed(table))
+    if stats is not None:
+        await asyncio.wait_for(finished.wait(), 30)
+        assert not any(c.error for c in chunks)
+    return done.output_ids + [t for c in chunks for t in c.token_ids], stats
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+async def test_direct_handoff_lands_exactly_what_prefill_computed(tiny, stages):
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("straight into the pages: " * 5)  # a partly filled last block
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine = Engine(tiny, EngineConfig(num_blocks=64, stages=stages))
+    d_engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    d_engine.block_manager.allocate(3)  # decode's free blocks are not prefill's block ids
+    n_blocks = -(-len(prompt) // p_engine.layout.block_size)
+    assert len(prompt) % p_engine.layout.block_size and n_blocks >= 2
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            got, stats = await _generated(h, h.p_bus, p_engine, "r1", prompt, params)
+            assert got == want.output_ids
+            assert stats.mode == "direct" and stats.writes == 1 and stats.crc_ms > 0 and stats.scatter_ms == 0
+            assert stats.bytes == n_blocks * p_engine.layout.block_bytes  # whole blocks, nothing gathered
+            assert len(stats.entry_bytes) == (1 if stages == 1 else n_blocks * stages)
+            report = h.decode.load_report().detail
+            assert report["handoff_crc_verified"] == len(stats.entry_bytes) and report["landing"] == 0
+            assert report["quarantined"] == 0 and h.slots.num_free == h.slots.num_slots  # no slot was used
+
+
+async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch):
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("def checksum(data):\n    crc = 0\n" * 3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            rogue, flip = KVTransport(), torch.zeros(1, dtype=torch.uint8)
+            rogue.register(flip)
+            real_write, corrupted = h.p_te.write, []
+
+            def write_then_corrupt(peer, src, dst, lens):
+                real_write(peer, src, dst, lens)
+                if not corrupted:  # after prefill's write, before decode's check
+                    k = lens[0] // 2
+                    flip[0] = ctypes.string_at(src[0] + k, 1)[0] ^ 0xFF
+                    rogue.write(peer, [flip.data_ptr()], [dst[0] + k], [1])
+                    corrupted.append(dst[0] + k)
+
+            monkeypatch.setattr(h.p_te, "write", write_then_corrupt)
+            try:
+                with pytest.raises(HandoffFailed, match="checksum mismatch"):
+                    await _generated(h, h.p_bus, p_engine, "bad", prompt, params)
+                report = h.decode.load_report().detail
+                assert corrupted and report["handoff_crc_failures"] == 1 and report["landing"] == 0
+                assert not h.decode.active and report["quarantined"] == 0
+                assert await h.decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
+                got, stats = await _generated(h, h.p_bus, p_engine, "good", prompt, params)
+                assert got == want.output_ids and stats.mode == "direct"
+            finally:
+                rogue.close()
+
+
+async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_write_has_ended(tiny, monkeypatch):
+    import threading
+
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("cancel me while my bytes are on the wire " * 3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            real_write, writing, go_on = h.p_te.write, threading.Event(), threading.Event()
+
+            def slow_write(*args):
+                writing.set()
+                go_on.wait(10)
+                real_write(*args)
+
+            monkeypatch.setattr(h.p_te, "write", slow_write)
+            table, done = _prefill(p_engine, "r1", prompt, params)
+            send = asyncio.ensure_future(h.direct.send("decode-0", "r1", table, len(prompt), done))
+            assert await asyncio.to_thread(writing.wait, 10)
+            await h.decode.on_cancel(Cancel("r1", "client gone"), None)  # decode hears the cancel first
+            zone = h.decode.zone
+            assert "r1" in zone.quarantine and zone.reserved_tokens > 0  # the write still runs: blocks held
+            send.cancel()
+            await asyncio.sleep(0.2)
+            assert not send.done()  # the cancel waits for the write thread
+            go_on.set()
+            with pytest.raises(asyncio.CancelledError):
+                await send
+            p_engine.block_manager.release(reversed(table))
+            deadline = asyncio.get_running_loop().time() + 10
+            while zone.quarantine and asyncio.get_running_loop().time() < deadline:  # PagesReleased on the bus
+                await asyncio.sleep(0.02)
+            assert not zone.quarantine and not zone.landings
+            assert await h.decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
+
+
+async def test_a_decode_that_takes_no_direct_writes_gets_the_request_through_landing_slots(tiny):
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("the staged path " * 6)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            h.decode.direct.reason = "transfer.direct is false"  # as DirectPages(enabled=False) says
+            chunks, finished = await collect_chunks(h.p_bus, "r1")
+            table, done = _prefill(p_engine, "r1", prompt, params)
+            try:
+                assert await h.direct.send("decode-0", "r1", table, len(prompt), done) is None
+                assert not h.decode.zone.landings  # nothing was allocated for the direct attempt
+                stats = await h.sender.send("decode-0", "r1", table, len(prompt), done)  # as prefill then does
+            finally:
+                p_engine.block_manager.release(reversed(table))
+            await asyncio.wait_for(finished.wait(), 30)
+            assert stats.mode == "slots" and done.output_ids + [t for c in chunks for t in c.token_ids] == want.output_ids
+    # the other reason: two engines whose blocks mean different bytes never pair directly
+    p16 = Engine(tiny, EngineConfig(num_blocks=4, kv_dtype="bfloat16"))
+    assert p16.layout.block_layout != p_engine.layout.block_layout
+
+
+# ---------------------------------------------------------------- decode's zone: writes in flight
+
+
+async def test_a_dropped_grant_keeps_its_blocks_until_prefill_says_its_writes_are_over(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with KVTransport() as te:
+        async with running_decode(engine) as decode:
+            decode.direct = DirectPages(decode.zone, te, enabled=True)
+            await _dropped_grants(decode, engine)
+
+
+async def _dropped_grants(decode, engine: Engine) -> None:
+    layout = engine.layout
+    free = lambda: decode.loop.call(lambda: engine.block_manager.num_free_blocks)  # noqa: E731
+    grant = await decode.direct.grant(PagesRequest("r1", "prefill-0", 40, layout.block_layout))
+    assert grant.runs and sum(n for _, n in grant.runs) == 3 and await free() == NUM_BLOCKS - 3
+    again = await decode.direct.grant(PagesRequest("r1", "prefill-0", 40, layout.block_layout))
+    assert again.runs == grant.runs  # a repeated request gets the same blocks, never more
+    await decode.on_cancel(Cancel("r1", "client gone"), None)
+    assert await free() == NUM_BLOCKS - 3 and "r1" in decode.zone.quarantine  # a write may still be coming
+    assert decode.zone.reserved_tokens == 3 * layout.block_size
+    late = await decode.direct.grant(PagesRequest("r1", "prefill-0", 40, layout.block_layout))
+    assert late.fatal and not late.runs
+    await decode.direct.released(PagesReleased("r1"))
+    assert await free() == NUM_BLOCKS and not decode.zone.quarantine
+
+    # prefill died mid-write: nothing says the writes are over; expiry frees them after the timeout
+    grant = await decode.direct.grant(PagesRequest("r2", "prefill-0", 20, layout.block_layout))
+    await decode.zone.drop("r2")
+    assert await decode.zone.expire(60.0) == [] and "r2" in decode.zone.quarantine
+    await decode.zone.expire(0.0)
+    assert await free() == NUM_BLOCKS and not decode.zone.quarantine
+
+    # a HandoffDone for a dropped request ends its quarantine too, and is refused
+    grant = await decode.direct.grant(PagesRequest("r3", "prefill-0", 20, layout.block_layout))
+    await decode.zone.drop("r3")
+    ack = await decode.on_landed(HandoffDone("r3", [1] * 20, [2], "", {}, {}, pages=[[0, 2, 0, 2 * layout.block_bytes, 0]]), None)
+    assert not ack.ok and await free() == NUM_BLOCKS and not decode.zone.quarantine
+    unsupported = await decode.direct.grant(PagesRequest("r4", "prefill-0", 20, layout.block_layout[:-1] + [32]))
+    assert unsupported.unsupported and not unsupported.runs and "r4" not in decode.zone.landings

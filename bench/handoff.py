@@ -230,7 +230,7 @@ def plot(r: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(18, 6), gridspec_kw={"width_ratios": [1.7, 1]})
     fig.suptitle(f"moorage KV handoff ({'quick' if r['params']['quick'] else 'full'}) - {r['machine']['date']}, "
                  f"{r['machine']['cpu_count']} CPUs, tcp loopback, 8 MiB slots", fontsize=11)
     cs, w = r["handoff"], 0.27
@@ -238,7 +238,7 @@ def plot(r: dict, path: str) -> None:
                                       ("raw_GBps", "raw TE batch write, same bytes"))):
         bars = ax.bar([i + (j - 1) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks(range(len(cs)), [f"{c['model']}\n{c['prompt_tokens']} tok, {c.get('mode', 'slots')}\n"
+    ax.set_xticks(range(len(cs)), [f"{c['model'].split('-')[0]} {c['prompt_tokens']}\n{c.get('mode', 'slots')}\n"
                                    f"{c['MB']:.0f} MB, {c['writes']} writes"
                                    for c in cs], fontsize=8)
     ax.set_ylabel("GB/s (1e9 B / median time)")

@@ -20,11 +20,12 @@ SHOWN = {
     "store.lookup": ("hit_chunks", "device_tokens"),
     "store.restore": ("chunks", "bytes", "block_wait_ms"),
     "prefill.compute": ("tokens_computed", "tokens_reused", "tokens_from_store"),
-    "kv.handoff": ("bytes", "writes", "rounds"),
+    "kv.handoff": ("mode", "bytes", "writes", "rounds"),
     "kv.gather": ("round", "bytes"),
     "kv.write": ("round", "writes"),
     "decode.scatter": ("bytes",),
     "decode.slot_grant": ("granted",),
+    "decode.page_grant": ("runs",),
     "decode.generate": ("completion_tokens", "first_token_ms", "itl_mean_ms", "itl_p90_ms"),
 }
 

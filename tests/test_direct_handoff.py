@@ -182,7 +182,14 @@ async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_w
                 go_on.wait(10)
                 real_write(*args)
 
+            real_checksums, crc_go = h.direct._checksums, threading.Event()
+
+            def slow_checksums(writes):  # both threads still run when the cancel comes; the checksum ends first
+                crc_go.wait(10)
+                return real_checksums(writes)
+
             monkeypatch.setattr(h.p_te, "write", slow_write)
+            monkeypatch.setattr(h.direct, "_checksums", slow_checksums)
             table, done = _prefill(p_engine, "r1", prompt, params)
             send = asyncio.ensure_future(h.direct.send("decode-0", "r1", table, len(prompt), done))
             assert await asyncio.to_thread(writing.wait, 10)
@@ -190,8 +197,9 @@ async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_w
             zone = h.decode.zone
             assert "r1" in zone.quarantine and zone.reserved_tokens > 0  # the write still runs: blocks held
             send.cancel()
+            crc_go.set()
             await asyncio.sleep(0.2)
-            assert not send.done()  # the cancel waits for the write thread
+            assert not send.done()  # the cancel waits for the write thread, also once the checksum's has ended
             go_on.set()
             with pytest.raises(asyncio.CancelledError):
                 await send

@@ -1,10 +1,11 @@
 """Decode instance: lands handed-off KV, adopts each request into continuous batching, and streams
-tokens to the router. Read `serve` first: config -> engine -> landing slots -> subscriptions.
+tokens to the router. Read `serve` first: config -> engine -> its pages and landing slots -> subscriptions.
 
 Tracing: one `decode.generate` span per request, from HandoffDone to the last token (its parent is the
 request's router.request span, carried in HandoffDone's headers), with the token count, first-token
-time and inter-token gap stats as attributes: never a span per token. The landing zone adds the
-`decode.slot_grant` / `decode.scatter` spans of the handoff.
+time and inter-token gap stats as attributes: never a span per token. The handoff adds
+`decode.page_grant` (the direct handoff, services/decode/direct.py) or the landing zone's
+`decode.slot_grant` / `decode.scatter` spans (the staged one).
 """
 
 from __future__ import annotations

@@ -43,6 +43,19 @@ from shared.transfer import KVTransport, TransferConfig
 tracer = get_tracer("moorage.prefill.direct")
 
 
+async def _settled(*tasks: asyncio.Future) -> None:
+    """Until every task has ended, whatever cancels the caller meanwhile (that cancel is raised after)."""
+    rest = asyncio.gather(*tasks, return_exceptions=True)
+    cancelled = False
+    while not rest.done():
+        try:
+            await asyncio.shield(rest)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 class DirectSender:
     def __init__(self, bus: Bus, instance: str, layout: KVLayout, pages: list[torch.Tensor],
                  transport: KVTransport, config: TransferConfig):
@@ -82,10 +95,10 @@ class DirectSender:
                                                              lengths))
                 try:
                     await asyncio.gather(crcs, wrote)
-                finally:  # both threads have ended before anything else happens (a cancel waits for them)
-                    for task in (crcs, wrote):
-                        task.cancel()
-                    await asyncio.gather(crcs, wrote, return_exceptions=True)
+                finally:  # both threads have ended before anything else happens. Never cancel the two again:
+                    # a gather cancelled ends as soon as one child has (the checksum), and a second cancel would
+                    # cut the other's wait for its thread short (found under load by the mid-write cancel test)
+                    await _settled(crcs, wrote)
             sums, stats.crc_ms = crcs.result()
             stats.write_ms = (time.perf_counter() - t) * 1e3
             stats.bytes, stats.writes, stats.rounds = sum(lengths), self._batches(len(writes)), 1

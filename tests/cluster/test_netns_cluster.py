@@ -213,7 +213,7 @@ def test_session_restores_across_hosts_and_hands_off_to_h3(cluster, tiny):
 
     received = {h: after[h]["received"] - before[h]["received"] for h in after}
     t2.spans = traces.request(t2.request_id, {("h1", "router.request"), (y_host, "store.restore"),
-                                              (y_host, "kv.handoff"), (y_host, "kv.write"), ("h3", "decode.scatter"),
+                                              (y_host, "kv.handoff"), (y_host, "kv.write"), ("h3", "decode.page_grant"),
                                               ("h3", "decode.generate")})
     assert t2.routed["prefill_instance"] == y and t2.routed["decode_instance"] == "decode-0"
 

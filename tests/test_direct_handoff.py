@@ -85,6 +85,14 @@ def test_tiling_must_cover_the_blocks_exactly_once():
 # ---------------------------------------------------------------- real Transfer Engines + nats, in process
 
 
+def _setup(tiny, text: str, max_tokens: int):
+    """(prompt, params, the from-scratch reference, prefill engine, decode engine) for a pair test."""
+    prompt = tiny.tokenizer.encode(text)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    return prompt, params, want, Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+
+
 def _prefill(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], HandoffDone]:
     seq = engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
     while not engine.step():
@@ -133,10 +141,7 @@ async def test_direct_handoff_lands_exactly_what_prefill_computed(tiny, stages):
 async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch):
     from tests.natsbus import nats_url
 
-    prompt = tiny.tokenizer.encode("def checksum(data):\n    crc = 0\n" * 3)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
-    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    prompt, params, want, p_engine, d_engine = _setup(tiny, "def checksum(data):\n    crc = 0\n" * 3, 8)
     with nats_url() as url:
         async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
             rogue, flip = KVTransport(), torch.zeros(1, dtype=torch.uint8)
@@ -214,10 +219,7 @@ async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_w
 async def test_a_decode_that_takes_no_direct_writes_gets_the_request_through_landing_slots(tiny):
     from tests.natsbus import nats_url
 
-    prompt = tiny.tokenizer.encode("the staged path " * 6)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
-    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    prompt, params, want, p_engine, d_engine = _setup(tiny, "the staged path " * 6, 6)
     with nats_url() as url:
         async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
             h.decode.direct.reason = "transfer.direct is false"  # as DirectPages(enabled=False) says

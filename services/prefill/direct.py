@@ -31,11 +31,11 @@ import time
 import torch
 from opentelemetry import context as otel_context
 
-from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread
+from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread, send_done
 from shared.bus import Bus
 from shared.handoff_check import checksum
 from shared.kv_layout import KVLayout
-from shared.messages import Ack, HandoffDone, PagesGrant, PagesReleased, PagesRequest
+from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
 from shared.page_writes import PageWrite, expand_runs, plan
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig
@@ -107,7 +107,7 @@ class DirectSender:
             done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": 1, "mode": "direct",
                             "entries": len(writes)}
             t = time.perf_counter()
-            ack = await self._send_done(decode, done, done_context)
+            ack = await send_done(self.bus, decode, done, done_context)
             stats.done_ms = (time.perf_counter() - t) * 1e3
             if not ack.ok:
                 raise HandoffFailed(f"decode refused the request: {ack.error}")
@@ -146,11 +146,3 @@ class DirectSender:
             if grant.fatal or time.monotonic() > deadline:
                 raise HandoffFailed(grant.error or "decode granted no KV blocks in time")
             # else decode held the request until its hold time passed: asking again at once is no busy loop
-
-    def _send_done(self, decode: str, done: HandoffDone, done_context) -> asyncio.Future:
-        token = otel_context.attach(done_context) if done_context is not None else None
-        try:  # the request copies the current context: HandoffDone's trace parent is done_context
-            return asyncio.ensure_future(self.bus.request(self.bus.subjects.decode_landed(decode), done, Ack))
-        finally:
-            if token is not None:
-                otel_context.detach(token)

@@ -66,6 +66,16 @@ async def _finish_thread(fn, *args):
         raise
 
 
+def send_done(bus: Bus, decode: str, done: HandoffDone, done_context: otel_context.Context | None) -> asyncio.Task:
+    """HandoffDone to `decode`, as a task awaiting its Ack, with `done_context` (when given) as its trace parent."""
+    token = otel_context.attach(done_context) if done_context is not None else None
+    try:  # the task copies the current context
+        return asyncio.create_task(bus.request(bus.subjects.decode_landed(decode), done, Ack))
+    finally:
+        if token is not None:
+            otel_context.detach(token)
+
+
 @dataclass
 class HandoffStats:
     bytes: int = 0
@@ -180,7 +190,7 @@ class HandoffSender:
                 if run.written < len(run.windows) and len(run.slots) < len(run.windows) - run.written:
                     self._ask(run)  # overlaps the next gathers and the write after them
             done.handoff = {"bytes": run.stats.bytes, "writes": run.stats.writes, "rounds": run.stats.rounds}
-            adopted = self._send_done(decode, done, done_context)
+            adopted = send_done(self.bus, decode, done, done_context)
             try:
                 for task in run.acks:
                     self._check_filled(await task, run.stats)
@@ -212,14 +222,6 @@ class HandoffSender:
         get.cancel()
         gatherer.result()  # raises its error
         raise HandoffFailed("gatherer ended early")
-
-    def _send_done(self, decode: str, done: HandoffDone, done_context) -> asyncio.Task:
-        token = otel_context.attach(done_context) if done_context is not None else None
-        try:  # the task copies the current context: HandoffDone's trace parent is done_context
-            return asyncio.create_task(self.bus.request(self.bus.subjects.decode_landed(decode), done, Ack))
-        finally:
-            if token is not None:
-                otel_context.detach(token)
 
     def _ask(self, run: _Run) -> None:
         """Ask decode for credits, unless a request is already in flight; its slots are recorded as soon

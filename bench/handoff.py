@@ -292,9 +292,12 @@ def main(argv: list[str] | None = None) -> None:
         "notes": [
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
             "mode direct (the default): prefill's blocks are written straight into decode's pages, as spans of "
-            "blocks consecutive on both sides, in one Transfer Engine call (writes = ceil(spans / 512)); the CRC "
-            "runs in a second thread during the write (crc_ms), decode verifies in place (verify_ms); no gather, "
-            "no scatter; bytes are whole blocks (the last one's unused tail included)",
+            "blocks consecutive on both sides cut every 4 MiB, in one Transfer Engine call (writes = "
+            "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), decode verifies in "
+            "place in parallel threads (verify_ms) and acks before its engine adopts the request; no gather, "
+            "no scatter; bytes are whole blocks (the last one's unused tail included). Decode's pages are "
+            "asked for as the prompt's last step starts (early_grant): grant_ms is what is left of that round "
+            "trip when the handoff begins",
             "mode slots (--set prefill.transfer.direct=false): windows of exactly one slot (8 MiB) of the rank "
             "buffer, cut at byte offsets: writes = ceil(bytes / slot_bytes) (writes_expected); decode joins "
             "tokens cut by a window edge",

@@ -4,7 +4,9 @@ Pages are block-major (shared/kv_layout.py), so one block of one stage is one co
 run of consecutive blocks of a single-stage page is one span too. Decode grants the request's blocks
 as runs of consecutive addresses; prefill writes
 
-- single stage: one write per run of blocks consecutive on both sides (often the whole request);
+- single stage: one write per run of blocks consecutive on both sides (often the whole request), cut
+  every `max_bytes` (whole blocks): each write has its own checksum, so decode verifies the pieces of a
+  long run in parallel threads (services/decode/direct.py). All writes still go in one batched call;
 - stages > 1: one write per block and stage (a stage's bytes of a block sit at the stage's offset of
   decode's block, `KVLayout.stage_offset_in_block`; the other stages' bytes lie between two blocks).
 
@@ -58,18 +60,24 @@ def to_runs(ids: list[int]) -> list[tuple[int, int]]:
     return [(b, n) for b, n in runs]
 
 
-def plan(src_blocks: list[int], dst_addrs: list[int], layout: KVLayout) -> list[PageWrite]:
-    """The writes moving prefill's blocks `src_blocks` into decode's blocks at `dst_addrs` (same order)."""
+CHECK_BYTES = 4 << 20  # prefill cuts a run of blocks into writes of at most this (at least one block)
+
+
+def plan(src_blocks: list[int], dst_addrs: list[int], layout: KVLayout, max_bytes: int = 0) -> list[PageWrite]:
+    """The writes moving prefill's blocks `src_blocks` into decode's blocks at `dst_addrs` (same order);
+    `max_bytes` > 0: no write spans more blocks than fit in it (one at least)."""
     if len(src_blocks) != len(dst_addrs):
         raise ValueError(f"{len(src_blocks)} blocks for {len(dst_addrs)} addresses")
     bb = layout.block_bytes
     if layout.stages > 1:
         return [PageWrite(s, b, i, 1, layout.stage_offset_in_block(s), layout.stage_block_bytes(s))
                 for i, b in enumerate(src_blocks) for s in range(layout.stages)]
+    most = max(1, max_bytes // bb) if max_bytes > 0 else len(src_blocks)
     out: list[PageWrite] = []
     start = 0
     for i in range(1, len(src_blocks) + 1):
-        if i == len(src_blocks) or src_blocks[i] != src_blocks[i - 1] + 1 or dst_addrs[i] != dst_addrs[i - 1] + bb:
+        if i == len(src_blocks) or src_blocks[i] != src_blocks[i - 1] + 1 or dst_addrs[i] != dst_addrs[i - 1] + bb \
+                or i - start == most:
             n = i - start
             out.append(PageWrite(0, src_blocks[start], start, n, 0, n * bb))
             start = i

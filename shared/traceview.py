@@ -20,7 +20,7 @@ SHOWN = {
     "store.lookup": ("hit_chunks", "device_tokens"),
     "store.restore": ("chunks", "bytes", "block_wait_ms"),
     "prefill.compute": ("tokens_computed", "tokens_reused", "tokens_from_store"),
-    "kv.handoff": ("mode", "bytes", "writes", "rounds"),
+    "kv.handoff": ("mode", "bytes", "writes", "rounds", "early_grant"),
     "kv.gather": ("round", "bytes"),
     "kv.write": ("round", "writes"),
     "decode.scatter": ("bytes",),

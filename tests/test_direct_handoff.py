@@ -2,8 +2,9 @@
 decode verifies them in place, and what it adopts is exactly the prefill's KV: greedy output equals a
 from-scratch computation token for token.
 
-- pure: the write plan (runs coalesced on both sides, one write per block and stage when prefill's pages
-  are split in stages), the grant's runs, decode's tiling check;
+- pure: the write plan (runs coalesced on both sides and cut into 4 MiB writes, one write per block and
+  stage when prefill's pages are split in stages), the grant's runs, decode's tiling check and the
+  shares of writes its verifying threads take;
 - in process, real Transfer Engines over loopback and a real nats-server, the tiny model on both sides:
   a single-stage and a 3-stage prefill; a byte corrupted in flight by a second Transfer Engine write
   fails that request cleanly and frees its blocks; a decode that takes no direct writes answers
@@ -22,10 +23,11 @@ import ctypes
 import pytest
 import torch
 
-from services.decode.direct import DirectPages
+from services.decode.direct import DirectPages, _shares
 from services.prefill.handoff import HandoffFailed
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
+from shared.handoff_check import checksum
 from shared.kv_layout import KVLayout
 from shared.messages import Cancel, HandoffDone, PagesReleased, PagesRequest
 from shared.page_writes import PageWrite, expand_runs, plan, tiling_error, to_runs
@@ -58,6 +60,18 @@ def test_plan_coalesces_blocks_consecutive_on_both_sides():
     assert plan([0, 1, 2, 3, 4], [i * bb for i in range(5)], layout) == [PageWrite(0, 0, 0, 5, 0, 5 * bb)]
     with pytest.raises(ValueError):
         plan([1, 2], [0], layout)
+
+
+def test_plan_cuts_long_runs_so_decode_can_verify_their_pieces_in_parallel():
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8)
+    bb = layout.block_bytes
+    writes = plan(list(range(7)), [i * bb for i in range(7)], layout, max_bytes=3 * bb + 1)
+    assert writes == [PageWrite(0, 0, 0, 3, 0, 3 * bb), PageWrite(0, 3, 3, 3, 0, 3 * bb), PageWrite(0, 6, 6, 1, 0, bb)]
+    assert tiling_error([w.wire(0) for w in writes], 7, bb) is None
+    assert len(plan([0, 1], [0, bb], layout, max_bytes=1)) == 2  # one block at least
+    assert [list(r) for r in _shares([4, 4, 1], 2)] == [[0], [1, 2]]  # about equal bytes, in order
+    assert [list(r) for r in _shares([1] * 7, 3)] == [[0, 1], [2, 3, 4], [5, 6]]
+    assert [list(r) for r in _shares([5], 4)] == [[0]] and _shares([], 2) == []
 
 
 def test_plan_with_stages_writes_each_stage_at_its_offset_in_decode_block():
@@ -278,3 +292,25 @@ async def _dropped_grants(decode, engine: Engine) -> None:
     assert not ack.ok and await free() == NUM_BLOCKS and not decode.zone.quarantine
     unsupported = await decode.direct.grant(PagesRequest("r4", "prefill-0", 20, layout.block_layout[:-1] + [32]))
     assert unsupported.unsupported and not unsupported.runs and "r4" not in decode.zone.landings
+
+
+async def test_decode_checks_every_write_whichever_of_its_threads_verifies_it(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with KVTransport() as te:
+        async with running_decode(engine) as decode:
+            pages = decode.direct = DirectPages(decode.zone, te, enabled=True)
+            pages.threads = 2
+            await pages.grant(PagesRequest("r1", "prefill-0", 4 * engine.layout.block_size, engine.layout.block_layout))
+            landing, bb = decode.zone.landings["r1"], pages.block_bytes
+            spans = [pages._bytes[b * bb:(b + 1) * bb] for b in landing.blocks]
+            for span in spans:
+                span.copy_(torch.randint(0, 256, (bb,), dtype=torch.uint8))
+            writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]  # 2 shares of 2 writes
+            assert await pages._verify(landing, writes) is None
+            spans[3][bb // 2] ^= 1  # in the second share
+            assert (await pages._verify(landing, writes)).startswith("write 3 ")
+            spans[3][bb // 2] ^= 1
+            spans[1][0] ^= 1  # the first share's mismatch is the one reported, whichever thread ends first
+            spans[2][7] ^= 1
+            assert (await pages._verify(landing, writes)).startswith("write 1 ")
+            await decode.direct.released(PagesReleased("r1"))

@@ -208,9 +208,14 @@ def test_one_trace_spans_every_service(system):
     handoff = names["kv.handoff"]["attributes"]
     assert handoff["mode"] == "direct" and handoff["writes"] == 1 and handoff["bytes"] > 0
     assert handoff["bytes"] == sum(handoff["entry_bytes"]) and handoff["scatter_ms"] == 0  # nothing to scatter
-    for name, service in (("kv.write", "prefill"), ("decode.page_grant", "decode")):  # one each, under kv.handoff
+    # one each: the write under kv.handoff; the grant asked for while the prompt's last step computed
+    # (early_grant), so under the request and inside prefill.compute
+    assert handoff["early_grant"] is True and handoff["grant_ms"] < handoff["write_ms"] + 1000
+    for name, service, parent in (("kv.write", "prefill", "kv.handoff"), ("decode.page_grant", "decode", "router.request")):
         [span] = [s for s in trace if s["name"] == name]
-        assert by_id[span["parent_span_id"]]["name"] == "kv.handoff" and span["service"] == service
+        assert by_id[span["parent_span_id"]]["name"] == parent and span["service"] == service
+    grant, compute = names["decode.page_grant"], names["prefill.compute"]
+    assert compute["start_ns"] <= grant["start_ns"] <= compute["end_ns"]
     assert not {"kv.gather", "decode.scatter", "decode.slot_grant"} & set(names)
 
 

@@ -102,6 +102,7 @@ async def test_decode_stops_generating_for_a_router_that_no_longer_holds_the_req
         ack = await decode.on_landed(HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0,
                                                                                  "computed": len(prompt)},
                                                  router="router-0"), None)
+        await asyncio.gather(*decode.adopting)  # the engine takes it after the Ack
         assert ack.ok and "r1" in decode.active
         await decode.on_holdings(Holdings("router-1", "boot", []), None)  # another router's list
         await decode.on_holdings(Holdings("router-0", "boot", ["r1"]), None)  # still held

@@ -9,8 +9,9 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   `unsupported` when the block layouts differ, the pages are not in host memory or span several
   stages, or transfer.direct is false: prefill then uses landing slots.
 - `land` (HandoffDone with pages): the writes must tile the granted blocks exactly, each within
-  consecutive blocks; each write's bytes are checked against its CRC-32C in a worker thread, in place,
-  before the engine adopts the blocks. A mismatch drops the landing and refuses: never wrong tokens.
+  consecutive blocks; each write's bytes are checked against its CRC-32C in worker threads (shares of
+  the writes in parallel), in place, before the engine adopts the blocks. A mismatch drops the
+  landing and refuses: never wrong tokens.
 - `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped.
 
 A granted landing is `writes_over = False` until HandoffDone or PagesReleased: dropped before that
@@ -20,6 +21,7 @@ another request has been given since.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -47,6 +49,7 @@ class DirectPages:
         self.zone, self.layout = zone, zone.layout
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
+        self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
         self.reason = ("transfer.direct is false" if not enabled else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
@@ -115,7 +118,7 @@ class DirectPages:
         landing.scattering += 1  # a drop meanwhile frees the blocks only once this check let go of them
         try:
             t = time.perf_counter()
-            reason = await zone.loop.run_in_worker(lambda: self._verify(landing, msg.pages))
+            reason = await self._verify(landing, msg.pages)
             verify_ms = (time.perf_counter() - t) * 1e3
         finally:
             landing.scattering -= 1
@@ -139,9 +142,19 @@ class DirectPages:
                 return f"write over blocks {first}..{first + count - 1} that are not consecutive in decode's pages"
         return None
 
-    def _verify(self, landing: Landing, writes: list) -> str | None:
-        """Worker thread: None when every write's bytes in the pages match its checksum; else why not."""
-        for i, (first, _count, offset, nbytes, crc) in enumerate(writes):
+    async def _verify(self, landing: Landing, writes: list) -> str | None:
+        """None when every write's bytes in the pages match its checksum; else why not (the first mismatch
+        in write order). The writes are checked in `threads` worker threads at once, in shares of about
+        equal bytes (crc32c releases the GIL; prefill cuts long runs into 4 MiB writes for this)."""
+        shares = _shares([w[3] for w in writes], self.threads)
+        found = await asyncio.gather(*(self.zone.loop.run_in_worker(lambda s=s: self._check(landing, writes, s))
+                                       for s in shares))
+        return next((r for r in found if r is not None), None)
+
+    def _check(self, landing: Landing, writes: list, share: range) -> str | None:
+        """Worker thread: the first of writes[share] whose bytes do not match its checksum, or None."""
+        for i in share:
+            first, _count, offset, nbytes, crc = writes[i]
             lo = landing.blocks[first] * self.block_bytes + offset
             view = self._bytes[lo:lo + nbytes]
             if i == 0:
@@ -150,3 +163,18 @@ class DirectPages:
             if got != crc:
                 return f"write {i} (blocks {first}.., {nbytes} bytes): crc32c {got:08x}, prefill sent {crc:08x}"
         return None
+
+
+def _shares(sizes: list[int], n: int) -> list[range]:
+    """Cut indices 0..len(sizes)-1 into at most n consecutive ranges of about equal total size (each item
+    goes to the share its midpoint falls in)."""
+    total, owner, acc = max(1, sum(sizes)), [], 0
+    for size in sizes:
+        owner.append(min(n - 1, n * (2 * acc + size) // (2 * total)))
+        acc += size
+    out, start = [], 0
+    for i in range(1, len(owner) + 1):
+        if i == len(owner) or owner[i] != owner[i - 1]:
+            out.append(range(start, i))
+            start = i
+    return out

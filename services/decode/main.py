@@ -4,8 +4,10 @@ tokens to the router. Read `serve` first: config -> engine -> its pages and land
 Tracing: one `decode.generate` span per request, from HandoffDone to the last token (its parent is the
 request's router.request span, carried in HandoffDone's headers), with the token count, first-token
 time and inter-token gap stats as attributes: never a span per token. The handoff adds
-`decode.page_grant` (the direct handoff, services/decode/direct.py) or the landing zone's
-`decode.slot_grant` / `decode.scatter` spans (the staged one).
+`decode.page_grant` (the direct handoff, services/decode/direct.py: usually asked for during prefill's
+compute, a child of router.request then) or the landing zone's `decode.slot_grant` / `decode.scatter`
+spans (the staged one). A handoff is acked as soon as its KV is verified and ours; the engine adopts the
+request right after (`_adopt`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.decode.direct import DirectPages
 from services.decode.landing import LandingZone
 from shared.engine.engine import Engine, StepOutput
-from shared.engine.loop import EngineLoop
+from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
@@ -75,9 +77,12 @@ class DecodeService:
         # the direct handoff: prefill writes into our pages (registered with `transport`) when `direct`
         self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None)
         self.active: dict[str, Active] = {}
+        self.adopting: set[asyncio.Task] = set()  # acked handoffs the engine is taking
         self.log = ctx.log
 
     async def on_landed(self, msg: HandoffDone, raw) -> Ack:
+        """The KV is in: verified and taken from the zone, it is ours, and the Ack says so at once; the
+        engine adopts the request after (`_adopt`), so prefill's blocks go back without waiting for it."""
         rid, stats = msg.request_id, {}
         try:
             if msg.pages:  # written straight into our pages: verified here (services/decode/direct.py)
@@ -87,23 +92,42 @@ class DecodeService:
         except (KeyError, ValueError) as e:
             await self.zone.drop(rid)
             return Ack(rid, False, f"cannot adopt: {e}")
-        span = tracer.start_span("decode.generate", context=self.bus.trace_context(raw))
-        span.set_attributes({"request_id": rid, "prompt_tokens": len(msg.prompt_ids)})
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            await self.loop.call(lambda: self.engine.adopt_prefilled(
-                rid, msg.prompt_ids, msg.output_ids, params, landing.blocks, msg.shown_text))
+            self.engine.check_request(msg.prompt_ids, params)
         except (ValueError, TypeError) as e:
             await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))
-            span.end()
             return Ack(rid, False, str(e))
+        span = tracer.start_span("decode.generate", context=self.bus.trace_context(raw))
+        span.set_attributes({"request_id": rid, "prompt_tokens": len(msg.prompt_ids)})
+        task = asyncio.create_task(self._adopt(msg, params, landing.blocks, span))
+        self.adopting.add(task)
+        task.add_done_callback(self.adopting.discard)
+        return Ack(rid, True, stats=stats)
+
+    async def _adopt(self, msg: HandoffDone, params: SamplingParams, blocks: list[int], span) -> None:
+        """The engine takes the request (between two steps). What fails here fails the request from decode:
+        prefill has already let go of it."""
+        rid = msg.request_id
+        try:
+            await self.loop.call(lambda: self.engine.adopt_prefilled(
+                rid, msg.prompt_ids, msg.output_ids, params, blocks, msg.shown_text))
+        except (ValueError, TypeError, EngineLoopDead) as e:
+            if not isinstance(e, EngineLoopDead):
+                await self.loop.call(lambda: self.engine.block_manager.release(blocks))
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            span.end()
+            self.log.warning("adoption failed", request_id=rid, error=str(e))
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
+                    rid, [], "", True, "error", None, error_info(500, f"decode could not adopt the request: {e}")))
+            return
         if self.zone.is_cancelled(rid):  # the cancel came while the engine was adopting it
             await self.loop.call(lambda: self.engine.abort(rid))
             span.set_attribute("cancelled", True)
             span.end()
-            return Ack(rid, False, "request cancelled")
+            return
         self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic(), msg.router)
-        return Ack(rid, True, stats=stats)
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         dropped = await self.zone.drop(msg.request_id)
@@ -176,6 +200,7 @@ class DecodeService:
                            "unhealthy": unhealthy, **self.zone.checks.detail()})
 
     async def stop(self) -> None:
+        await asyncio.gather(*self.adopting, return_exceptions=True)
         await self.loop.stop()
         for a in self.active.values():
             a.span.end()

@@ -6,8 +6,12 @@ blocks are moved as they are:
 
 1. PagesRequest -> decode allocates the request's blocks and answers with their addresses (runs of
    consecutive blocks). Short of blocks it holds the request a while and answers when room comes back.
-2. One batched Transfer Engine write of every run (shared/page_writes.py: usually one or a few spans);
-   meanwhile a second thread computes the CRC-32C of the same bytes (read-only, in place).
+   It goes out early (`pre_grant`) once the engine starts the step that completes the prompt and the
+   decode is known, so its round trip overlaps that forward pass; `send` then finds the grant in. A grant
+   older than half of transfer.timeout_s is asked for again (decode answers with the same blocks and
+   restarts its idle clock). A request that ends without `send` gives an early grant back (`release`).
+2. One batched Transfer Engine write of every run (shared/page_writes.py: usually one or a few spans,
+   cut every 4 MiB); meanwhile a second thread computes the CRC-32C of each write (read-only, in place).
 3. HandoffDone carries the writes and their checksums; decode verifies its blocks before it adopts the
    request (a mismatch refuses it: HandoffFailed, a 503 the router retries once), and the Ack ends it.
 
@@ -36,7 +40,7 @@ from shared.bus import Bus
 from shared.handoff_check import checksum
 from shared.kv_layout import KVLayout
 from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
-from shared.page_writes import PageWrite, expand_runs, plan
+from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig
 
@@ -67,22 +71,49 @@ class DirectSender:
                 transport.register(p)
         self._bytes = [p.view(-1).view(torch.uint8) for p in pages]  # each stage page, flat
 
+    def pre_grant(self, decode: str, request_id: str, num_tokens: int,
+                  context: otel_context.Context | None = None) -> asyncio.Task | None:
+        """Ask `decode` for the request's blocks now, as a task (`context`: the grant's trace parent); give
+        the task to `send(early=...)`, or to `release` if the request ends without a handoff."""
+        if not self.enabled:
+            return None
+        token = otel_context.attach(context) if context is not None else None
+        try:  # the task copies the current context
+            return asyncio.create_task(self._timed_grant(decode, request_id, num_tokens))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    async def release(self, decode: str, request_id: str, early: asyncio.Task | None = None) -> None:
+        """Prefill writes nothing into the request's granted blocks (the request ended without `send`, or
+        send failed): decode may give them to others. A release that overtakes the grant (`early`, still
+        being asked for) is safe: decode then refuses or undoes it."""
+        if early is not None:
+            early.cancel()
+        with contextlib.suppress(Exception):
+            await self.bus.publish(self.bus.subjects.decode_pages_released(decode), PagesReleased(request_id))
+
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
-                   done: HandoffDone, done_context: otel_context.Context | None = None) -> HandoffStats | None:
+                   done: HandoffDone, done_context: otel_context.Context | None = None,
+                   early: asyncio.Task | None = None) -> HandoffStats | None:
         """Moves the KV of tokens [0, num_tokens) into `decode`'s pages and hands the request over; None
-        (nothing done) when that decode takes no direct writes: use the staged sender."""
+        (nothing done) when that decode takes no direct writes: use the staged sender. `early`: this
+        request's `pre_grant` task (send owns it from here)."""
         if not self.enabled:
             return None
         n_blocks = -(-num_tokens // self.layout.block_size)
         t, completed = time.perf_counter(), False
         try:
-            grant = await self._grant(decode, request_id, num_tokens)
+            grant, at = await (early if early is not None else self._timed_grant(decode, request_id, num_tokens))
+            if grant is not None and time.monotonic() - at > self.config.timeout_s / 2:
+                grant = await self._grant(decode, request_id, num_tokens)  # decode restarts its idle clock
             if grant is None:
                 completed = True  # decode allocated nothing
                 return None
-            stats = HandoffStats(mode="direct", grant_ms=(time.perf_counter() - t) * 1e3)
+            stats = HandoffStats(mode="direct", grant_ms=(time.perf_counter() - t) * 1e3,
+                                 early_grant=early is not None)
             addrs = expand_runs(grant.runs, n_blocks, grant.block_bytes)
-            writes = plan(block_table[:n_blocks], addrs, self.layout)
+            writes = plan(block_table[:n_blocks], addrs, self.layout, CHECK_BYTES)
             srcs = [self.pages[w.stage].data_ptr() + w.src_block * self.layout.stage_block_bytes(w.stage)
                     for w in writes]
             dsts = [addrs[w.first] + w.offset for w in writes]
@@ -117,8 +148,7 @@ class DirectSender:
         finally:
             if not completed:  # failed or cancelled, and no write thread runs any more: decode may reuse the
                 # blocks it granted (or drops the grant it is about to make; the request fails anyway)
-                with contextlib.suppress(Exception):
-                    await self.bus.publish(self.bus.subjects.decode_pages_released(decode), PagesReleased(request_id))
+                await self.release(decode, request_id, early)
 
     def _batches(self, n: int) -> int:
         """Transfer Engine calls a write of n spans takes (KVTransport.write batches them)."""
@@ -132,6 +162,11 @@ class DirectSender:
             lo = w.src_block * self.layout.stage_block_bytes(w.stage)
             sums.append(checksum(self._bytes[w.stage][lo:lo + w.nbytes]))
         return sums, (time.perf_counter() - t) * 1e3
+
+    async def _timed_grant(self, decode: str, request_id: str, num_tokens: int) -> tuple[PagesGrant | None, float]:
+        """`_grant`, and the monotonic time it came in."""
+        grant = await self._grant(decode, request_id, num_tokens)
+        return grant, time.monotonic()
 
     async def _grant(self, decode: str, request_id: str, num_tokens: int) -> PagesGrant | None:
         """Decode's blocks for the request, asking again while it is short of room; None: unsupported."""

@@ -87,7 +87,8 @@ class HandoffStats:
     scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
     verify_ms: float = 0.0
     grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
-    done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify and adoption included)
+    done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify included; adoption follows it)
+    early_grant: bool = False  # direct: the grant was asked for while the prompt's last step computed
     mode: str = "slots"      # "slots": staged through landing slots; "direct": into decode's pages (direct.py)
     entry_bytes: list = field(default_factory=list)  # direct: the bytes of each span written
     extra: dict = field(default_factory=dict)

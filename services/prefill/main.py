@@ -41,6 +41,8 @@ class Pending:
     cancelled: bool = False
     decode: str = ""                     # where the KV goes: the submit's decode instance, or a DecodeAssign's
     assigned: asyncio.Event = field(default_factory=asyncio.Event)  # set once `decode` is known
+    finishing: bool = False              # the engine runs (or ran) the step that completes its prompt
+    grant: asyncio.Task | None = None    # decode's pages, asked for early (DirectSender.pre_grant)
     since: float = field(default_factory=time.monotonic)  # when it was submitted (its router's Holdings)
 
     def __post_init__(self) -> None:
@@ -62,7 +64,8 @@ class PrefillService:
         self.direct = direct  # the direct handoff, tried first; the staged `sender` when a decode cannot take it
         self.assign_timeout_s = assign_timeout_s  # a submit without a decode waits this long for its DecodeAssign
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
-        self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
+        self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed,
+                               on_prefill_ending=self.on_prefill_ending)
         self.pending: dict[str, Pending] = {}
         self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
         self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
@@ -102,7 +105,7 @@ class PrefillService:
                 self.log.warning("restore failed, computing instead", request_id=rid, error=str(e))
         pinned = restored.pinned if restored else []
         if p.cancelled:
-            self.pending.pop(rid, None)
+            self._end(rid)
             await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(pinned)))
             return
 
@@ -114,16 +117,16 @@ class PrefillService:
         try:
             await self.loop.call_now(add)  # queued at once, even while a long step computes
         except ValueError as e:
-            self.pending.pop(rid, None)
+            self._end(rid)
             await self._fail(rid, 400, str(e))
             return
         except EngineLoopDead as e:
-            self.pending.pop(rid, None)
+            self._end(rid)
             await self._fail(rid, 503, f"prefill engine unavailable: {e}")
             return
         if p.cancelled and rid in self.pending:  # cancelled while it was being added
             await self.loop.call(lambda: self.engine.abort(rid))
-            self.pending.pop(rid, None)
+            self._end(rid)
 
     async def on_assign(self, msg: DecodeAssign, raw) -> None:
         """The gate admitted a request that was submitted before its answer: its KV goes to this decode.
@@ -134,6 +137,31 @@ class PrefillService:
         if not p.assign(msg.decode_instance):
             self.log.warning("decode assignment ignored", request_id=msg.request_id,
                              decode_instance=msg.decode_instance, assigned=p.decode)
+        elif p.finishing:
+            self._pre_grant(p)
+
+    def on_prefill_ending(self, request_ids: list[str]) -> None:
+        """The engine starts the step that completes these prompts: ask their decodes for pages now, so
+        the grant's round trip overlaps the forward pass (a request whose decode is not known yet asks when
+        its DecodeAssign comes)."""
+        for rid in request_ids:
+            p = self.pending.get(rid)
+            if p is not None and not p.cancelled:
+                p.finishing = True
+                self._pre_grant(p)
+
+    def _pre_grant(self, p: Pending) -> None:
+        if (self.direct is not None and p.decode and p.grant is None and not p.handoff_started
+                and p.seq is not None and p.seq.params.max_tokens > 1):  # else it ends here: no handoff
+            p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx)
+
+    def _end(self, rid: str) -> Pending | None:
+        """Forget a request; an early grant its handoff never took goes back to its decode."""
+        p = self.pending.pop(rid, None)
+        if p is not None and p.grant is not None:
+            grant, p.grant = p.grant, None
+            self._spawn(self.direct.release(p.decode, rid, grant))
+        return p
 
     async def _decode_of(self, p: Pending) -> str:
         """The request's decode instance; when the router has not sent it yet (overlapped admission: the
@@ -175,7 +203,7 @@ class PrefillService:
             # its finally, leaking the blocks and the pending entry: found by bench/faults.py, kill -9 decode)
         elif p.seq is not None:
             await self.loop.call(lambda: self.engine.abort(msg.request_id))
-            self.pending.pop(msg.request_id, None)
+            self._end(msg.request_id)
         # else still restoring or being added: _admit sees `cancelled` and lets go
         self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
@@ -190,7 +218,7 @@ class PrefillService:
             if p.cancelled:  # finished before the abort applied
                 if out.finished:
                     self.engine.block_manager.release(reversed(p.seq.block_table))
-                self.pending.pop(out.request_id, None)
+                self._end(out.request_id)
                 continue
             self._trace_compute(p)
             sources = self._sources(p.seq)
@@ -204,7 +232,7 @@ class PrefillService:
             if self.pool is not None and self.pool.settings.save and out.finished:
                 self._start_save(p)
             if finished_here:
-                self.pending.pop(out.request_id, None)
+                self._end(out.request_id)
                 self.engine.block_manager.release(reversed(p.seq.block_table))
             elif out.finish_reason == "prefilled":
                 p.handoff = self._spawn(self._handoff(p, sources))
@@ -213,7 +241,7 @@ class PrefillService:
         """The engine ended these requests on an error and already released their KV (retained
         blocks included): forget them and tell their clients."""
         for rid in request_ids:
-            if self.pending.pop(rid, None) is not None:
+            if self._end(rid) is not None:
                 self.log.warning("request failed in the engine", request_id=rid, error=message)
                 await self._fail(rid, 500, message)
 
@@ -245,6 +273,7 @@ class PrefillService:
     async def _handoff(self, p: Pending, sources: dict) -> None:
         p.handoff_started = True
         seq, rid = p.seq, p.seq.request_id
+        early, p.grant = p.grant, None  # this handoff's now: direct.send uses it, or the finally gives it back
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
                            router=p.submit.router)
@@ -256,14 +285,15 @@ class PrefillService:
             span = tracer.start_span("kv.handoff", context=p.trace_ctx, attributes={
                 "request_id": rid, "tokens": len(seq.prompt_ids), "decode_instance": decode})
             with trace.use_span(span, end_on_exit=False):  # decode.generate: under router.request (done_context)
+                grant, early = early, None  # send owns it, however it ends
                 stats = None if self.direct is None else await self.direct.send(
-                    decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx)
+                    decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx, early=grant)
                 if stats is None:  # that decode takes no direct writes
                     stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
                                                   done_context=p.trace_ctx)
             span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
-                                 "mode": stats.mode, "gather_ms": stats.gather_ms, "write_ms": stats.write_ms,
-                                 "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
+                                 "mode": stats.mode, "early_grant": stats.early_grant, "gather_ms": stats.gather_ms,
+                                 "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
                                  "verify_ms": stats.verify_ms, "grant_ms": stats.grant_ms, "done_ms": stats.done_ms,
                                  "entry_bytes": stats.entry_bytes})
             self.handoff_totals["handoff_bytes"] += stats.bytes
@@ -283,7 +313,9 @@ class PrefillService:
         finally:
             if span is not None:
                 span.end()
-            self.pending.pop(rid, None)
+            if early is not None:  # never reached send
+                self._spawn(self.direct.release(p.decode, rid, early))
+            self._end(rid)
             with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
                 await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
 

@@ -117,6 +117,10 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
         self.stalled = False
         self.lock = threading.RLock()  # see step(): what may change while a forward pass runs
+        # Called (from the stepping thread, before the forward pass) with the ids of the prefill-only
+        # requests whose prompt the step about to run completes: prefill asks decode for their pages
+        # while it computes (services/prefill/main.py). None: nobody listens.
+        self.on_prefill_ending: Callable[[list[str]], None] | None = None
 
     @property
     def stats(self) -> EngineStats:
@@ -206,6 +210,11 @@ class Engine:
             self.stalled = batch is None and self.scheduler.has_work()  # waiting for blocks held elsewhere
         if batch is None:
             return []
+        if self.on_prefill_ending is not None:
+            ending = [s.request_id for s, n in zip(batch.seqs, batch.num_tokens)
+                      if s.prefill_only and s.num_computed + n >= len(s.token_ids)]
+            if ending:
+                self.on_prefill_ending(ending)
         try:
             samplers, logits = self.runner.run(batch)
             with self.lock:

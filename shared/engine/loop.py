@@ -36,10 +36,12 @@ class EngineLoopDead(RuntimeError):
 class EngineLoop:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
                  idle_wait_s: float = 0.05, on_failed: OnFailed | None = None, stall_after_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_prefill_ending: Callable[[list[str]], None] | None = None):
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_failed = on_failed
+        self.on_prefill_ending = on_prefill_ending  # on the event loop: see Engine.on_prefill_ending
         self.idle_wait_s = idle_wait_s
         self.stall_after_s = stall_after_s
         self.clock = clock
@@ -124,6 +126,9 @@ class EngineLoop:
         return await asyncio.to_thread(fn)
 
     def start(self) -> None:
+        if self.on_prefill_ending is not None:  # the engine calls it from the stepping thread: hop to the loop
+            loop, listener = asyncio.get_running_loop(), self.on_prefill_ending
+            self.engine.on_prefill_ending = lambda ids: loop.call_soon_threadsafe(listener, ids)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:

@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
             "mode direct (the default): prefill's blocks are written straight into decode's pages, as spans of "
             "blocks consecutive on both sides cut every 4 MiB, in one Transfer Engine call (writes = "
-            "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), decode verifies in "
+            "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), reading only blocks "
+            "without a kept CRC register (crc_reused in the spans: full blocks keep theirs until allocated again, "
+            "and the repeats are prefix-cached, so they read only their partly filled last block); decode verifies in "
             "place in parallel threads (verify_ms) and acks before its engine adopts the request; no gather, "
             "no scatter; bytes are whole blocks (the last one's unused tail included). Decode's pages are "
             "asked for as the prompt's last step starts (early_grant): grant_ms is what is left of that round "
@@ -306,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
             "scatter can exceed the handoff span: other ms = span - gather - write - scatter is then negative; "
             "gather_ms is time in the gathering thread (incl. CRC), scatter_ms decode's (incl. verify)",
             "raw TE: one write() of the handoff's pieces (same sizes) from one source to one destination buffer of "
-            "the full size, two engines in the bench process; raw_per_repeat writes before each handoff repeat",
+            "the full size, two engines in the bench process; raw_per_repeat writes before each handoff repeat; "
+            "write() is the handoff's own (shared/transfer.py: each piece submitted on its own, its status checked "
+            "between short naps, not Mooncake's busy-polling sync call)",
             "overhead: (a) and (b) interleaved, order alternating, after warm-up; distinct random 32-token prompts",
         ],
         "handoff": handoff, "overhead": overhead,

@@ -374,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
                    "pool_other_history = those E + z_t requests, in the JSON, their spans in the restore GB/s",
                    "read ms = the restore span's read_wait_ms (time waiting for batched reads; reads are pipelined "
                    "with verify + unpack) where the span has it, else store.restore ms - stage ms (verify + unpack)",
+                   "restore in place (pool.restore_in_place, the default): each object's payload is read straight "
+                   "into its blocks and its CRC computed there (stage ms = verify only); false: read whole into a "
+                   "registered buffer, then unpacked (stage ms = unpack + CRC in one pass)",
                    "throughput: both systems up at once, rounds alternate which goes first; a round ends at its last "
                    "response (then waits for an idle prefill, so saves never overlap the other system's round)",
                    f"usage NOT as expected for: {', '.join(bad)}" if bad else "usage.moorage as expected everywhere"],

@@ -164,6 +164,16 @@ static uint32_t copy_crc(char *d, const char *s, int64_t n, int stream, uint32_t
     cs[2] = crc_bytes(cs[2], s + 3 * lane, rest);
     return crc_shift(crc_shift(cs[0], lane) ^ cs[1], lane + rest) ^ cs[2];
 }
+/* raw(c, s[0..n)) without copying: the same three lanes, then combined. */
+static uint32_t crc_raw(const char *s, int64_t n, uint32_t c) {
+    int64_t lane = (n / 3) & ~(int64_t)7;
+    if (lane < 256) return crc_bytes(c, s, n);
+    uint32_t cs[3] = {c, 0, 0};
+    crc_3lanes(cs, s, s + lane, s + 2 * lane, lane);
+    int64_t rest = n - 3 * lane;
+    cs[2] = crc_bytes(cs[2], s + 3 * lane, rest);
+    return crc_shift(crc_shift(cs[0], lane) ^ cs[1], lane + rest) ^ cs[2];
+}
 #else
 #define HAVE_CRC 0
 static uint32_t copy_crc(char *d, const char *s, int64_t n, int stream, uint32_t c) {
@@ -241,6 +251,39 @@ int moorage_kv_blocks(const char *src, char *dst, const int64_t *ids, int64_t n,
     return 0;
 }
 
+/* raw[k] = raw(0, block ids[k]'s bytes): each block's CRC register, to be kept while the block's bytes do
+ * not change and joined into the CRC-32C of any run of them (moorage_crc_join) without reading them again.
+ * Threads over blocks. -5 without the CRC instruction. */
+int moorage_crc_blocks(const char *pages, const int64_t *ids, int64_t n, int64_t num_blocks, int64_t block_bytes,
+                       uint32_t *raw, int64_t min_split, int nthreads) {
+    if (n < 0 || block_bytes < 0 || num_blocks < 0) return -1;
+    if (!HAVE_CRC) return -5;
+    int rc = check_ids(ids, n, num_blocks, 0);
+    if (rc) return rc;
+    int nt = threads_for(n * block_bytes, min_split, nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t k = 0; k < n; k++) raw[k] = crc_raw(pages + ids[k] * block_bytes, block_bytes, 0);
+    return 0;
+}
+
+/* *crc = the CRC-32C of s[0..n) continuing a CRC-32C `crc` of the bytes before (0: none), one thread. */
+int moorage_crc32c(const char *s, int64_t n, uint32_t *crc) {
+    if (n < 0) return -1;
+    if (!HAVE_CRC) return -5;
+    *crc = ~crc_raw(s, n, ~*crc);
+    return 0;
+}
+
+/* *crc = the CRC-32C of n blocks of block_bytes in the given order, from their raw registers. */
+int moorage_crc_join(const uint32_t *raw, int64_t n, int64_t block_bytes, uint32_t *crc) {
+    if (n < 0 || block_bytes < 0) return -1;
+    uint32_t shift = crc_shift(0x80000000u, block_bytes), c = 0xFFFFFFFFu; /* x^(8 block_bytes) */
+    for (int64_t k = 0; k < n; k++) c = gf2_mul(c, shift) ^ raw[k];
+    *crc = ~c;
+    return 0;
+}
+
 /* Token rows between block pages and token-major rank buffers. Stage s's pages hold planes[s] (= its
  * layers x 2) planes of B rows per block; a rank buffer holds, per token, all stages' planes in order.
  * Tokens t in [first, end) of block table[t / B]; token t belongs to rank t % cp, at that rank's local
@@ -292,8 +335,14 @@ int moorage_kv_tokens(int to_pages, char *const *pages, const int64_t *planes, i
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _TOKENS_ARGS = [_INT, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT]
 _BLOCKS_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64, _I64, _INT, _PTR]
+_CRC_BLOCKS_ARGS = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT]
+_CRC_JOIN_ARGS = [_PTR, _I64, _I64, _PTR]
+_CRC32C_ARGS = [_PTR, _I64, _PTR]
 KERNEL = CKernel("kv_copy", _C_SOURCE, "moorage_kv_tokens", _TOKENS_ARGS, list(_FLAG_SETS), base_flags=_BASE_FLAGS,
-                 what="CPU KV copy kernel", more={"moorage_kv_blocks": _BLOCKS_ARGS})
+                 what="CPU KV copy kernel", more={"moorage_kv_blocks": _BLOCKS_ARGS,
+                                                  "moorage_crc_blocks": _CRC_BLOCKS_ARGS,
+                                                  "moorage_crc_join": _CRC_JOIN_ARGS,
+                                                  "moorage_crc32c": _CRC32C_ARGS})
 _load, available = KERNEL.load, KERNEL.available
 
 # tuning (measured on a 2-core EPYC VM, see /work/notes/kernels2.md)
@@ -408,6 +457,41 @@ def unpack_chunk_crc(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexL
     """unpack_chunk, returning the CRC-32C of `buf`'s bytes, computed as they are copied (read once)."""
     crc = _copy_crc(pages_s, buf, block_ids, 1)
     return _ref.unpack_chunk_crc(buf, pages_s, block_ids) if crc is None else crc
+
+
+def block_crcs(pages: torch.Tensor, block_ids: IndexLike) -> list[int] | None:
+    """Each block's raw CRC-32C register (from 0, no inversion; `join_crcs` turns runs of them into a CRC),
+    read in place; None when this build cannot (no compiler or CRC instruction, odd pages). pages: a
+    contiguous CPU tensor, one block per index of its first dimension. ValueError for an id out of range."""
+    ids = _ids(block_ids)
+    if ids is None or not pages.is_cpu or not pages.is_contiguous() or pages.dim() < 1 or not available():
+        return None
+    raw = (ctypes.c_uint32 * ids[1])()
+    rc = KERNEL.symbol_fn("moorage_crc_blocks")(pages.data_ptr(), ids[0], ids[1], pages.shape[0],
+                                                pages[0].numel() * pages.element_size() if pages.shape[0] else 0,
+                                                raw, MIN_SPLIT_BYTES, _nthreads())
+    if rc == -2:
+        raise ValueError(f"a block id is out of range 0..{pages.shape[0] - 1}")
+    return list(raw) if rc == 0 else None
+
+
+def crc32c(buf: torch.Tensor, value: int = 0) -> int | None:
+    """CRC-32C of a contiguous CPU tensor's bytes, continuing `value` (the CRC of the bytes before), read in
+    place on this thread (three lanes: measured 25 GB/s on one core here, against 15 for the crc32c
+    package); None when this build cannot."""
+    if not buf.is_cpu or not buf.is_contiguous() or not available():
+        return None
+    crc = ctypes.c_uint32(value)
+    rc = KERNEL.symbol_fn("moorage_crc32c")(buf.data_ptr(), buf.numel() * buf.element_size(), ctypes.byref(crc))
+    return crc.value if rc == 0 else None
+
+
+def join_crcs(raw: list[int], block_bytes: int) -> int:
+    """The CRC-32C of blocks of block_bytes each, in this order, from their raw registers (block_crcs)."""
+    regs, crc = (ctypes.c_uint32 * len(raw))(*raw), ctypes.c_uint32()
+    if KERNEL.symbol_fn("moorage_crc_join")(regs, len(raw), block_bytes, ctypes.byref(crc)) != 0:
+        raise ValueError(f"bad sizes: {len(raw)} blocks of {block_bytes} bytes")
+    return crc.value
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
+from kernels import cpu_kv
+
 MAGIC = b"MRGKV1"
 FORMAT_VERSION = 2  # 2: payload CRC-32C (1: zlib CRC-32, refused)
 HEADER_BYTES = 128
@@ -38,9 +40,12 @@ class ObjectSpec:
     payload_bytes: int
 
 
-def checksum(payload: torch.Tensor) -> int:
-    """CRC-32C of a contiguous CPU uint8 tensor, read in place (releases the GIL)."""
-    return crc32c.crc32c(payload.numpy())
+def checksum(payload: torch.Tensor, value: int = 0) -> int:
+    """CRC-32C of a contiguous CPU uint8 tensor, read in place (releases the GIL): the C kernel's, else the
+    crc32c package's. `value`: the CRC of the bytes before these (a payload read in pieces is checked
+    piece by piece)."""
+    crc = cpu_kv.crc32c(payload, value)
+    return crc32c.crc32c(payload.numpy(), value=value) if crc is None else crc
 
 
 def write_header(dst: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> None:
@@ -59,8 +64,17 @@ def verify(obj: torch.Tensor, spec: ObjectSpec, payload_crc: int | None = None) 
     unpacks the payload: kernels' unpack_chunk_crc); else it is computed here."""
     if obj.numel() != HEADER_BYTES + spec.payload_bytes:
         return f"size {obj.numel()} != {HEADER_BYTES + spec.payload_bytes}"
+    return verify_header(obj[:HEADER_BYTES], spec, checksum(obj[HEADER_BYTES:]) if payload_crc is None else payload_crc)
+
+
+def verify_header(header: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> str | None:
+    """None when `header` (uint8, the object's first HEADER_BYTES) names exactly the object `spec` names
+    and records `payload_crc`, the CRC-32C of the payload as read (a restore that read the payload straight
+    into its blocks computes it there); else why not."""
+    if header.numel() != HEADER_BYTES:
+        return f"header size {header.numel()} != {HEADER_BYTES}"
     magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
-        obj[:_HEADER.size].numpy().tobytes())
+        header[:_HEADER.size].numpy().tobytes())
     if magic != MAGIC:
         return "not a moorage KV object"
     if version != FORMAT_VERSION:
@@ -69,6 +83,6 @@ def verify(obj: torch.Tensor, spec: ObjectSpec, payload_crc: int | None = None) 
     want = (spec.namespace, spec.digest, spec.stage, spec.stages, spec.tokens, spec.payload_bytes)
     if got != want:
         return f"header names another object: {got[1].hex()[:8]} s{got[2]}of{got[3]} in {got[0]}"
-    if (checksum(obj[HEADER_BYTES:]) if payload_crc is None else payload_crc) != crc:
+    if payload_crc != crc:
         return "payload checksum mismatch"
     return None

@@ -200,6 +200,19 @@ class PoolClient:
                               list(sizes[lo:hi]))
         return out
 
+    def get_into_pieces(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+                        sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Read each object into several buffers, in order: its first sizes[i][0] bytes at addrs[i][0], the
+        next sizes[i][1] at addrs[i][1], and so on. Bytes read, or a negative code as `get_into`'s."""
+        self._check(keys, addrs, sizes)
+        if any(len(a) != len(n) for a, n in zip(addrs, sizes)):
+            raise ValueError("each object needs as many sizes as addresses")
+        store, out = self._live(), []
+        for lo, hi in self._chunks(len(keys)):
+            out += self._call(store.batch_get_into_multi_buffers, hi - lo, list(keys[lo:hi]),
+                              [list(a) for a in addrs[lo:hi]], [list(n) for n in sizes[lo:hi]])
+        return out
+
     def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
                  group_id: str | Sequence[str] | None = None, *,
                  preferred_segment: str | None = None) -> list[int]:

@@ -72,7 +72,8 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
         await d_bus.nc.flush()
         await d_bus.nc.flush()  # nats-py: one flush's PING can overtake buffered SUBs; a second cannot
         sender = HandoffSender(p_bus, "prefill-0", p_engine.layout, p_engine.pages, p_te, cfg)
-        direct = DirectSender(p_bus, "prefill-0", p_engine.layout, p_engine.pages, p_te, cfg)
+        direct = DirectSender(p_bus, "prefill-0", p_engine.layout, p_engine.pages, p_te, cfg,
+                              p_engine.block_manager.generation)
         yield SimpleNamespace(p_bus=p_bus, d_bus=d_bus, p_te=p_te, d_te=d_te, slots=slots, decode=decode,
                               sender=sender, direct=direct)
     finally:

@@ -150,6 +150,11 @@ async def test_direct_handoff_lands_exactly_what_prefill_computed(tiny, stages):
             report = h.decode.load_report().detail
             assert report["handoff_crc_verified"] == len(stats.entry_bytes) and report["landing"] == 0
             assert report["quarantined"] == 0 and h.slots.num_free == h.slots.num_slots  # no slot was used
+            # the next turn of the same history: its full blocks are prefill's cached ones, their CRCs kept
+            assert stats.crc_reused == 0
+            got, again = await _generated(h, h.p_bus, p_engine, "r2", prompt, params)
+            assert got == want.output_ids
+            assert again.crc_reused == (n_blocks - 1) * stages  # all but the partly filled last block
 
 
 async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch):

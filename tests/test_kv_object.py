@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, write_header
+from shared.kv_object import HEADER_BYTES, ObjectSpec, checksum, object_key, verify, verify_header, write_header
 
 SPEC = ObjectSpec("mrg1-abc", bytes(range(16)), 1, 2, 256, 4096)
 
@@ -79,3 +79,18 @@ def test_older_format_version_is_refused():
     obj[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     assert verify(obj, SPEC) == "format version 1, not 2"
     assert struct.unpack_from("<H", obj[:8].numpy().tobytes(), 6) == (1,)
+
+
+def test_header_verified_apart_from_its_payload():
+    """A restore in place reads the header into its own buffer and the payload into the blocks: the header
+    alone is checked against the CRC of the payload read in pieces (chained), like a whole object."""
+    obj = make()
+    header, payload = obj[:HEADER_BYTES].clone(), obj[HEADER_BYTES:]
+    pieces = checksum(payload[2000:], checksum(payload[:2000]))
+    assert pieces == checksum(payload)
+    assert verify_header(header, SPEC, pieces) is None
+    assert verify_header(header, SPEC, pieces ^ 1) == "payload checksum mismatch"
+    assert "another object" in verify_header(header, ObjectSpec(**{**SPEC.__dict__, "stage": 0}), pieces)
+    assert "header size" in verify_header(obj[:HEADER_BYTES - 1], SPEC, pieces)
+    header[0] ^= 1
+    assert verify_header(header, SPEC, pieces) == "not a moorage KV object"

@@ -213,6 +213,28 @@ def test_put_get_exact_bytes_and_exists(bufs):
     print(f"12 MiB put {1e3 * (t1 - t0):.1f} ms, get {1e3 * (t2 - t1):.1f} ms")
 
 
+def test_get_into_pieces_scatters_an_object_in_order(bufs):
+    a, b = _key("pieces-a"), _key("pieces-b")
+    size = 1 * MiB
+    assert bufs.put([a, b], size) == [0, 0]
+    bufs.dst.zero_()
+    d = bufs.dst.data_ptr()
+    # a: 4 KiB at the end of dst's first MiB, the rest backwards in two pieces; b: one piece
+    pieces = [[d + size - 4096, d + 2 * size, d], [4096, size // 2, size // 2 - 4096]]
+    got = bufs.client.get_into_pieces([a, b], [pieces[0], [d + 3 * size]], [pieces[1], [size]])
+    assert got == [size, size]
+    src, dst = bufs.src, bufs.dst
+    assert torch.equal(dst[size - 4096:size], src[:4096])
+    assert torch.equal(dst[2 * size:2 * size + size // 2], src[4096:4096 + size // 2])
+    assert torch.equal(dst[:size // 2 - 4096], src[4096 + size // 2:size])
+    assert torch.equal(dst[3 * size:4 * size], src[size:2 * size])
+    # pieces too small for the object, or a missing key: a code, never data
+    short = bufs.client.get_into_pieces([a, _key("missing")], [[d, d + 4096], [d]], [[4096, 4096], [size]])
+    assert short[0] < 0 and short[1] == OBJECT_NOT_FOUND
+    with pytest.raises(ValueError):
+        bufs.client.get_into_pieces([a], [[d, d + 4096]], [[4096]])
+
+
 def test_put_of_existing_key_keeps_the_old_value(bufs):
     key, size = _key("k"), 1 * MiB
     assert bufs.put([key], size, offset=0) == [0]

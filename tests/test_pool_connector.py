@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import random
 
 import pytest
 import torch
@@ -51,6 +52,20 @@ class MemoryPool:
             out.append(len(data))
         return out
 
+    def get_into_pieces(self, keys, addrs, sizes):
+        out = []
+        for k, a, n in zip(keys, addrs, sizes):
+            data = self.objects.get(k)
+            if data is None or len(data) > sum(n):
+                out.append(-704 if data is None else -600)
+                continue
+            off = 0
+            for piece_addr, piece_bytes in zip(a, n):
+                ctypes.memmove(piece_addr, data[off:off + piece_bytes], len(data[off:off + piece_bytes]))
+                off += piece_bytes
+            out.append(len(data))
+        return out
+
     def put_from(self, keys, addrs, sizes, group_id=None):
         self.puts.append(list(keys))
         for k, a, n in zip(keys, addrs, sizes):
@@ -85,16 +100,18 @@ async def _prefilled_pool(tiny, pool: MemoryPool, prompt: list[int]) -> None:
     assert conn.counters["saved_chunks"] == PROMPT // CHUNK
 
 
-@pytest.fixture
-async def restoring(tiny):
+@pytest.fixture(params=[True, False], ids=["in_place", "unpacked"])
+async def restoring(tiny, request):
     """(engine, connector factory): a prefill with 24 blocks (6 chunks) of device KV, an empty device
-    cache, and a pool that holds the 5 full chunks of the prompt."""
+    cache, and a pool that holds the 5 full chunks of the prompt. Every restore test runs both ways:
+    read into the blocks and verified there (restore_in_place), and read whole, then unpacked."""
     pool = MemoryPool()
     await _prefilled_pool(tiny, pool, prompt_ids(7, PROMPT))
     engine = Engine(tiny, EngineConfig(num_blocks=24, chunk_tokens=CHUNK))
     loop = EngineLoop(engine, lambda outs: asyncio.sleep(0))
     loop.start()
-    yield engine, loop, lambda **kw: PoolConnector(pool, engine, loop, PoolSettings(enabled=True, **kw))
+    yield engine, loop, lambda **kw: PoolConnector(pool, engine, loop, PoolSettings(
+        enabled=True, **{"restore_in_place": request.param, **kw}))
     await loop.stop()
     engine.block_manager.check_integrity()
 
@@ -216,6 +233,28 @@ async def _busy(engine, loop):
                                                       SamplingParams(max_tokens=1500, ignore_eos=True)))
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "unpacked"])
+async def test_a_two_stage_restore_matches_scratch(saving, tiny, in_place):
+    """Saved by a 2-stage prefill, restored by another: each stage's object lands in its own stage page."""
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool)
+    await conn.save("w", prompt, await loop.call(lambda: hold(conn)), None)
+    other = Engine(tiny, EngineConfig(num_blocks=24, chunk_tokens=CHUNK, stages=2))
+    other_loop = EngineLoop(other, lambda outs: asyncio.sleep(0))
+    other_loop.start()
+    try:
+        restorer = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, restore_in_place=in_place))
+        assert restorer.in_place == in_place
+        full = prompt + prompt_ids(8, 20)
+        restored = await restorer.restore("r", full, None)
+        assert restored.token_range == (0, 5 * CHUNK) and restorer.counters["verify_failures"] == 0
+        assert await _run(other, other_loop, restored, full) == scratch(tiny, full)
+    finally:
+        await other_loop.stop()
+    other.block_manager.check_integrity()
+
+
 async def test_save_waits_for_an_idle_engine_then_puts_once(saving):
     engine, loop, connector, prompt, hold = saving
     pool = MemoryPool()
@@ -310,12 +349,36 @@ def test_batch_plan_ends_with_a_batch_of_one_chunk():
 async def test_pipelined_restore_in_small_batches_matches_scratch(restoring, tiny, size, reads):
     engine, loop, connector = restoring
     conn = connector(restore_batch_chunks=size)  # 5 chunks
-    calls, plain = [], conn.client.get_into
-    conn.client.get_into = lambda keys, addrs, sizes: calls.append(len(keys)) or plain(keys, addrs, sizes)
+    read = "get_into_pieces" if conn.in_place else "get_into"
+    calls, plain = [], getattr(conn.client, read)
+    setattr(conn.client, read, lambda keys, addrs, sizes: calls.append(len(keys)) or plain(keys, addrs, sizes))
     prompt = prompt_ids(7, PROMPT) + prompt_ids(8, 20)
     restored = await conn.restore("r", prompt, None)
     assert restored.token_range == (0, 5 * CHUNK) and conn.counters["restored_chunks"] == 5
     assert calls == reads
+    assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
+
+
+async def test_restore_into_scattered_blocks_matches_scratch(restoring, tiny):
+    """The free blocks are in random order: each chunk's blocks are several runs, read as several pieces
+    (in place) or unpacked one by one; the output is still the from-scratch one."""
+    engine, loop, connector = restoring
+    conn = connector(restore_batch_chunks=2)
+    bm = engine.block_manager
+
+    def shuffle_free_list() -> None:
+        held = bm.allocate(bm.num_free_blocks)
+        random.Random(3).shuffle(held)
+        bm.release(held)
+
+    await loop.call_now(shuffle_free_list)
+    pieces, plain = [], conn.client.get_into_pieces
+    conn.client.get_into_pieces = lambda keys, addrs, sizes: pieces.extend(map(len, addrs)) or plain(keys, addrs, sizes)
+    prompt = prompt_ids(7, PROMPT) + prompt_ids(8, 20)
+    restored = await conn.restore("r", prompt, None)
+    assert restored.token_range == (0, 5 * CHUNK)
+    if conn.in_place:
+        assert len(pieces) == 5 and max(pieces) > 2  # a header and more than one run of blocks
     assert await _run(engine, loop, restored, prompt) == scratch(tiny, prompt)
 
 
@@ -345,7 +408,8 @@ async def test_a_read_that_raises_mid_restore_gives_every_block_back(restoring):
     engine, loop, connector = restoring
     conn = connector(restore_batch_chunks=2)
     pool, calls = conn.client, []
-    plain = pool.get_into
+    read = "get_into_pieces" if conn.in_place else "get_into"
+    plain = getattr(pool, read)
 
     def get_into(keys, addrs, sizes):
         calls.append(len(keys))
@@ -353,7 +417,7 @@ async def test_a_read_that_raises_mid_restore_gives_every_block_back(restoring):
             raise RuntimeError("transfer engine gone")
         return plain(keys, addrs, sizes)
 
-    pool.get_into = get_into
+    setattr(pool, read, get_into)
     with pytest.raises(RuntimeError, match="transfer engine gone"):
         await conn.restore("r", prompt_ids(7, PROMPT) + prompt_ids(8, 20), None)
     assert len(calls) >= 2 and engine.block_manager.num_free_blocks == 24

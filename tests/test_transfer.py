@@ -167,14 +167,32 @@ def test_write_roundtrip_exact(pair, buffers):
 
 
 class _CountingEngine:
+    """Spies on a Transfer Engine: `batches` = pieces in flight together per group (a group starts when
+    none is), `sync_calls` = pieces sent through the busy-polling sync call."""
+
     def __init__(self, engine):
-        self.engine, self.batches = engine, []
+        self.engine, self.batches, self.sync_calls, self.in_flight = engine, [], [], set()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def transfer_submit_write(self, peer, src, dst, length):
+        batch = self.engine.transfer_submit_write(peer, src, dst, length)
+        if not self.in_flight:
+            self.batches.append(0)
+        self.batches[-1] += 1
+        self.in_flight.add(batch)
+        return batch
+
+    def transfer_check_status(self, batch):
+        assert batch in self.in_flight, "a batch checked after the engine freed it"
+        rc = self.engine.transfer_check_status(batch)
+        if rc != 0:
+            self.in_flight.discard(batch)
+        return rc
+
     def batch_transfer_sync_write(self, peer, srcs, dsts, lens):
-        self.batches.append(len(srcs))
+        self.sync_calls.append(len(srcs))
         return self.engine.batch_transfer_sync_write(peer, srcs, dsts, lens)
 
 
@@ -187,7 +205,7 @@ def test_write_splits_batches_above_max_batch(pair, buffers, monkeypatch):
     s0, d0 = src.data_ptr(), dst.data_ptr()
     bounded(lambda: src_t.write(dst_t.endpoint, [s0 + o for o, _ in pieces], [d0 + o for o, _ in pieces],
                                 [n for _, n in pieces]))
-    assert spy.batches == [8, 8, 4]
+    assert spy.batches == [8, 8, 4] and spy.sync_calls == [] and not spy.in_flight
     assert torch.equal(dst[:20000], src[:20000]) and bool((dst[20000:] == 0xAB).all())
     # default max_batch (512): 600 small pieces also land, in two calls
     monkeypatch.setattr(src_t, "max_batch", 512)
@@ -195,7 +213,7 @@ def test_write_splits_batches_above_max_batch(pair, buffers, monkeypatch):
     pieces = plan_writes(600 * 512, 512)
     bounded(lambda: src_t.write(dst_t.endpoint, [s0 + o for o, _ in pieces], [d0 + o for o, _ in pieces],
                                 [n for _, n in pieces]))
-    assert spy.batches == [512, 88] and torch.equal(dst[:600 * 512], src[:600 * 512])
+    assert spy.batches == [512, 88] and spy.sync_calls == [] and not spy.in_flight and torch.equal(dst[:600 * 512], src[:600 * 512])
 
 
 def test_landing_slots_end_to_end(pair):
@@ -237,9 +255,15 @@ def test_register_rejects_bad_tensors(pair):
         t.unregister(x)
 
 
-def test_write_errors(pair, buffers):
+def test_write_errors(pair, buffers, monkeypatch):
     (src_t, dst_t), (src, dst) = pair, buffers
     s0, d0 = src.data_ptr(), dst.data_ptr()
+    spy = _CountingEngine(src_t._engine)
+    monkeypatch.setattr(src_t, "_engine", spy)
+    with pytest.raises(TransferError):           # one bad piece among good ones: waited for, all of them
+        bounded(lambda: src_t.write(dst_t.endpoint, [s0, s0 + 4096, s0 + 8192], [d0, 0x1000, d0 + 8192],
+                                    [4096] * 3))
+    assert spy.batches == [3] and spy.sync_calls == [] and not spy.in_flight
     with pytest.raises(TransferError):           # remote address outside any registered buffer
         bounded(lambda: src_t.write(dst_t.endpoint, [s0], [0x1000], [4096]))
     with pytest.raises(TransferError):           # runs past the end of the remote buffer
@@ -250,6 +274,7 @@ def test_write_errors(pair, buffers):
     assert e.value.code == -3
     with pytest.raises(TransferError):           # nobody listening
         bounded(lambda: src_t.write("127.0.0.1:1", [s0], [d0], [4096]))
+    assert spy.sync_calls[-1] == 1               # not submitted: the sync call, which forgets the dead peer
     with pytest.raises(ValueError):
         src_t.write(dst_t.endpoint, [s0], [d0, d0], [1])
     bounded(lambda: src_t.write(dst_t.endpoint, [s0], [d0], [4096]))  # the peer is not poisoned

@@ -31,13 +31,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 
 import torch
 from opentelemetry import context as otel_context
 
 from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread, send_done
 from shared.bus import Bus
-from shared.handoff_check import checksum
+from shared.block_crcs import BlockCRCs
 from shared.kv_layout import KVLayout
 from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
 from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
@@ -62,14 +63,16 @@ async def _settled(*tasks: asyncio.Future) -> None:
 
 class DirectSender:
     def __init__(self, bus: Bus, instance: str, layout: KVLayout, pages: list[torch.Tensor],
-                 transport: KVTransport, config: TransferConfig):
+                 transport: KVTransport, config: TransferConfig, generation: Sequence[int]):
+        """generation: the block manager's (each block's allocation count): full blocks' CRCs are kept
+        while it stays the same."""
         self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
         self.transport, self.config = transport, config
         self.enabled = config.direct and all(p.device.type == "cpu" for p in pages)
         if self.enabled:
             for p in pages:
                 transport.register(p)
-        self._bytes = [p.view(-1).view(torch.uint8) for p in pages]  # each stage page, flat
+        self.crcs = BlockCRCs(pages, generation) if self.enabled else None
 
     def pre_grant(self, decode: str, request_id: str, num_tokens: int,
                   context: otel_context.Context | None = None) -> asyncio.Task | None:
@@ -121,7 +124,8 @@ class DirectSender:
             t = time.perf_counter()
             with tracer.start_as_current_span("kv.write", attributes={
                     "round": 0, "writes": len(writes), "bytes": sum(lengths), "endpoint": grant.endpoint}):
-                crcs = asyncio.ensure_future(_finish_thread(self._checksums, writes))
+                crcs = asyncio.ensure_future(_finish_thread(self._checksums, writes,
+                                                            num_tokens // self.layout.block_size))
                 wrote = asyncio.ensure_future(_finish_thread(self.transport.write, grant.endpoint, srcs, dsts,
                                                              lengths))
                 try:
@@ -130,7 +134,7 @@ class DirectSender:
                     # a gather cancelled ends as soon as one child has (the checksum), and a second cancel would
                     # cut the other's wait for its thread short (found under load by the mid-write cancel test)
                     await _settled(crcs, wrote)
-            sums, stats.crc_ms = crcs.result()
+            sums, stats.crc_ms, stats.crc_reused = crcs.result()
             stats.write_ms = (time.perf_counter() - t) * 1e3
             stats.bytes, stats.writes, stats.rounds = sum(lengths), self._batches(len(writes)), 1
             stats.entry_bytes = lengths
@@ -154,14 +158,14 @@ class DirectSender:
         """Transfer Engine calls a write of n spans takes (KVTransport.write batches them)."""
         return -(-n // self.transport.max_batch)
 
-    def _checksums(self, writes: list[PageWrite]) -> tuple[list[int], float]:
-        """Worker thread: the CRC-32C of each write's source bytes, and the ms they took."""
+    def _checksums(self, writes: list[PageWrite], full: int) -> tuple[list[int], float, int]:
+        """Worker thread: the CRC-32C of each write's source bytes, the ms they took, and how many blocks'
+        CRCs came from an earlier handoff (the request's first `full` blocks are completely filled: theirs
+        may)."""
         t = time.perf_counter()
-        sums = []
-        for w in writes:
-            lo = w.src_block * self.layout.stage_block_bytes(w.stage)
-            sums.append(checksum(self._bytes[w.stage][lo:lo + w.nbytes]))
-        return sums, (time.perf_counter() - t) * 1e3
+        got = [self.crcs.run_crc(w.stage, w.src_block, w.count, max(0, min(w.count, full - w.first)))
+               for w in writes]
+        return [c for c, _ in got], (time.perf_counter() - t) * 1e3, sum(r for _, r in got)
 
     async def _timed_grant(self, decode: str, request_id: str, num_tokens: int) -> tuple[PagesGrant | None, float]:
         """`_grant`, and the monotonic time it came in."""

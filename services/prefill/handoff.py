@@ -83,6 +83,7 @@ class HandoffStats:
     rounds: int = 0
     gather_ms: float = 0.0   # time in the gathering thread (includes crc_ms); overlaps write_ms
     crc_ms: float = 0.0
+    crc_reused: int = 0      # direct: blocks whose CRC was kept from an earlier handoff (shared/block_crcs.py)
     write_ms: float = 0.0
     scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
     verify_ms: float = 0.0

@@ -294,7 +294,7 @@ class PrefillService:
             span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                  "mode": stats.mode, "early_grant": stats.early_grant, "gather_ms": stats.gather_ms,
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
-                                 "verify_ms": stats.verify_ms, "grant_ms": stats.grant_ms, "done_ms": stats.done_ms,
+                                 "crc_reused": stats.crc_reused, "verify_ms": stats.verify_ms, "grant_ms": stats.grant_ms, "done_ms": stats.done_ms,
                                  "entry_bytes": stats.entry_bytes})
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes
@@ -351,7 +351,8 @@ async def serve(ctx: ServiceContext) -> None:
     engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
-    direct = DirectSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
+    direct = DirectSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer,
+                          engine.block_manager.generation)
     svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s, direct)
     svc.events = events
     if cfg.pool.enabled:

@@ -3,14 +3,19 @@ and save new full chunks after, without ever serving bytes it did not verify.
 
 Restore (before the request enters the engine): match the device prefix; look up the next chunks in
 the pool (a chunk counts only if every stage holds its object, errors count as "not now"); read them
-zero-copy into a registered buffer; verify header and checksum; unpack into fresh blocks and register
-them in the device prefix index. A chunk that fails ends the restore there: later tokens are computed.
+zero-copy into fresh blocks; verify header and checksum; register them in the device prefix index. A
+chunk that fails ends the restore there: later tokens are computed.
+- In place (CPU pages, `restore_in_place`, the default): the pages are registered with the pool client,
+  and each object is read in pieces (`get_into_pieces`): its header into a small registered buffer, its
+  payload (the chunk's blocks, block-major, as pack_chunk wrote them) straight into the chunk's fresh
+  blocks. Verifying is then the CRC-32C of those blocks' bytes, in place: no unpack, no copy.
+- Else (pages elsewhere): the objects are read whole into a registered buffer, then unpacked into the
+  blocks by kernels' unpack_chunk_crc, which computes the checksum as it copies (one pass).
 Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
-registered buffers while the first is verified (CRC-32C) and unpacked, in one worker call per batch. The
-checksum is computed as the payload is unpacked (one pass over the bytes, kernels' unpack_chunk_crc), so
-a chunk's blocks are written before its verdict is known: a chunk that fails leaves them unregistered,
-and they go back to the free list with the rest of the restore's unused blocks. Only verified chunks'
-blocks ever enter the prefix index.
+registered buffers (headers, or whole objects) while the batch before is verified in one worker call.
+Either way a chunk's blocks are written before its verdict is known: a chunk that fails leaves them
+unregistered, and they go back to the free list with the rest of the restore's unused blocks. Only
+verified chunks' blocks ever enter the prefix index.
 Save (after the first token, deferred to idle time, batched: services/prefill/pool_save.py): every full
 prompt chunk the pool lacks is packed per stage and put with the chunk's digest as its group id (a
 chunk's stages are evicted together). The blocks being saved hold a reference of their own until the
@@ -36,8 +41,10 @@ from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
 from shared.hashing import chunk_hashes
 from services.prefill.pool_save import PoolSaver, finish_in_thread
-from shared.kv_object import HEADER_BYTES, ObjectSpec, object_key, verify
+from shared.block_crcs import blocks_crc
+from shared.kv_object import HEADER_BYTES, ObjectSpec, object_key, verify, verify_header
 from shared.kv_tenant import KVNamespace
+from shared.page_writes import to_runs
 from shared.logging import get_logger
 from shared.tracing import get_tracer
 
@@ -83,11 +90,17 @@ class PoolConnector:
         self.blocks_per_chunk = self.chunk // self.layout.block_size
         self.min_restore = max(self.chunk, settings.min_restore_tokens)  # at least one chunk
         self.kernels = get_kv_kernels(engine.pages[0].device)
-        # two read buffers: batch i+1 is read into one while batch i is verified and unpacked from the other
-        self.restore_bufs = [torch.empty(settings.restore_batch_chunks * self.chunk_bytes, dtype=torch.uint8)
-                             for _ in range(2)]
+        # two read buffers: batch i+1 is read into one while batch i is verified (and unpacked) from the other
+        self.in_place = settings.restore_in_place and all(p.device.type == "cpu" for p in engine.pages)
+        per_batch = settings.restore_batch_chunks * (self.stages * HEADER_BYTES if self.in_place else self.chunk_bytes)
+        self.restore_bufs = [torch.empty(per_batch, dtype=torch.uint8) for _ in range(2)]
         for buf in self.restore_bufs:
             client.register(buf)
+        if self.in_place:  # reads land in the blocks themselves
+            self.block_bytes = [self.layout.stage_block_bytes(s) for s in range(self.stages)]
+            self.page_bytes = [p.view(p.shape[0], -1).view(torch.uint8) for p in engine.pages]
+            for p in engine.pages:
+                client.register(p)
         self.restore_lock = asyncio.Lock()
         self.counters = {"restored_chunks": 0, "restored_bytes": 0, "verify_failures": 0, "saved_chunks": 0,
                          "save_skipped": 0, "save_failures": 0, "lookup_errors": 0}
@@ -196,7 +209,7 @@ class PoolConnector:
         digests = digests[c0:c0 + len(fresh) // bpc]
         t0, stage_ms, timing = time.perf_counter(), [0.0] * self.stages, {"read_wait_ms": 0.0}
         try:
-            good = await self._read_verify_unpack(digests, fresh, stage_ms, timing, ns)
+            good = await self._read_verify(digests, fresh, stage_ms, timing, ns)
         except BaseException:  # nothing is registered; every block we hold goes back
             await self.loop.call_now(lambda: self.bm.release(reversed(prefix + fresh)))
             raise
@@ -219,12 +232,12 @@ class PoolConnector:
         return Restored(pinned, (c0 * self.chunk, (c0 + good) * self.chunk),
                         {"chunks": good, "bytes": nbytes})
 
-    async def _read_verify_unpack(self, digests: list[bytes], blocks: list[int], stage_ms: list[float],
-                                  timing: dict, ns: KVNamespace) -> int:
-        """Reads the chunks in batches while earlier batches are verified and unpacked (in order: a chunk is
-        unpacked only when every chunk before it was good); returns how many leading chunks are good
+    async def _read_verify(self, digests: list[bytes], blocks: list[int], stage_ms: list[float],
+                           timing: dict, ns: KVNamespace) -> int:
+        """Reads the chunks in batches while earlier batches are verified (and unpacked), in order: a chunk
+        counts only when every chunk before it was good; returns how many leading chunks are good
         (restored into their blocks). One worker thread reads every batch back to back, each into the
-        restore buffer the batch before last was unpacked from, as soon as that is free again: no event-loop
+        restore buffer the batch before last was verified from, as soon as that is free again: no event-loop
         hop between two reads (measured 1-1.5 ms each, 9-15 ms of an 8K restore, when each read was
         started from the loop). timing["read_wait_ms"]: time spent waiting for reads."""
         bpc = self.blocks_per_chunk
@@ -244,7 +257,7 @@ class PoolConnector:
                     return
                 free[i % 2].clear()
                 try:
-                    got = self._read(digests[b0:b0 + n], i % 2, ns)
+                    got = self._read(digests[b0:b0 + n], blocks[b0 * bpc:(b0 + n) * bpc], i % 2, ns)
                 except BaseException as e:  # the restore raises it, in order
                     loop.call_soon_threadsafe(landed.put_nowait, e)
                     return
@@ -259,7 +272,7 @@ class PoolConnector:
                 timing["read_wait_ms"] += (time.perf_counter() - t) * 1e3
                 if isinstance(got, BaseException):
                     raise got
-                done = await finish_in_thread(self._verify_unpack, digests[b0:b0 + n], got, i % 2,
+                done = await finish_in_thread(self._verify, digests[b0:b0 + n], got, i % 2,
                                               blocks[b0 * bpc:(b0 + n) * bpc], ns)
                 free[i % 2].set()  # batch i + 2 may be read into it now
                 for s, ms in enumerate(done.stage_ms):
@@ -282,9 +295,11 @@ class PoolConnector:
                 await reading
         return good
 
-    def _read(self, digests: list[bytes], buf: int, ns: KVNamespace) -> list[int]:
-        """In the reader thread: the batched read of these chunks' objects into restore buffer `buf`: got per
-        object."""
+    def _read(self, digests: list[bytes], blocks: list[int], buf: int, ns: KVNamespace) -> list[int]:
+        """In the reader thread: the batched read of these chunks' objects, into restore buffer `buf` (whole,
+        or only their headers when the payloads go straight into `blocks`): got per object."""
+        if self.in_place:
+            return self._read_in_place(digests, blocks, buf, ns)
         keys, addrs, sizes, off, base = [], [], [], 0, self.restore_bufs[buf].data_ptr()
         for d in digests:
             for s, key in enumerate(self.keys(d, ns)):
@@ -292,32 +307,52 @@ class PoolConnector:
                 off += self.obj_bytes[s]
         return self.client.get_into(keys, addrs, sizes)
 
-    def _verify_unpack(self, digests: list[bytes], got: list[int], buf: int, blocks: list[int],
-                       ns: KVNamespace) -> "BatchDone":
-        """In a worker thread: per chunk, in order, every stage's object read whole, unpacked into the
-        chunk's blocks and verified (header, and the CRC-32C computed while unpacking). Stops at the
-        first chunk that is not good; its blocks then hold bytes nobody may use (the caller does not
-        register them)."""
-        bpc, S, off, stage_ms = self.blocks_per_chunk, self.stages, 0, [0.0] * self.stages
-        views = []
-        for _ in digests:
-            for s in range(S):
-                views.append(self.restore_bufs[buf][off:off + self.obj_bytes[s]])
-                off += self.obj_bytes[s]
+    def _read_in_place(self, digests: list[bytes], blocks: list[int], buf: int, ns: KVNamespace) -> list[int]:
+        """Each object read in pieces: its header into restore buffer `buf`, its payload into its chunk's
+        blocks of its stage's page (one piece per run of consecutive blocks)."""
+        bpc, keys, addrs, sizes = self.blocks_per_chunk, [], [], []
+        header = self.restore_bufs[buf].data_ptr()
+        for c, d in enumerate(digests):
+            runs = to_runs(blocks[c * bpc:(c + 1) * bpc])
+            for s, key in enumerate(self.keys(d, ns)):
+                base, nb = self.page_bytes[s].data_ptr(), self.block_bytes[s]
+                keys.append(key)
+                addrs.append([header + len(keys) * HEADER_BYTES - HEADER_BYTES] + [base + b * nb for b, _ in runs])
+                sizes.append([HEADER_BYTES] + [n * nb for _, n in runs])
+        return self.client.get_into_pieces(keys, addrs, sizes)
+
+    def _verify(self, digests: list[bytes], got: list[int], buf: int, blocks: list[int],
+                ns: KVNamespace) -> "BatchDone":
+        """In a worker thread: per chunk, in order, every stage's object read whole and verified (header, and
+        the CRC-32C of its payload). Stops at the first chunk that is not good; its blocks then hold bytes
+        nobody may use (the caller does not register them)."""
+        bpc, S, stage_ms = self.blocks_per_chunk, self.stages, [0.0] * self.stages
         for c, d in enumerate(digests):
             for s in range(S):
                 i = c * S + s
                 if got[i] != self.obj_bytes[s]:  # gone (store died, evicted) or unreadable: a miss from here on
                     return BatchDone(c, stage_ms, (self.keys(d, ns)[s], got[i], False))
                 t = time.perf_counter()
-                payload = views[i][HEADER_BYTES:].view(self.layout.dtype)
-                with copy_threads(self.copy_threads):
-                    crc = self.kernels.unpack_chunk_crc(payload, self.engine.pages[s], blocks[c * bpc:(c + 1) * bpc])
-                why = verify(views[i], self.spec(d, s, ns), payload_crc=crc)
+                why = self._check(i, buf, blocks[c * bpc:(c + 1) * bpc], self.spec(d, s, ns))
                 stage_ms[s] += (time.perf_counter() - t) * 1e3
                 if why is not None:
                     return BatchDone(c, stage_ms, (self.keys(d, ns)[s], why, True))
         return BatchDone(len(digests), stage_ms, None)
+
+    def _check(self, i: int, buf: int, chunk_blocks: list[int], spec: ObjectSpec) -> str | None:
+        """Object i of a batch read into restore buffer `buf`, why it is not `spec`'s (None: it is). In place
+        its payload is in the chunk's blocks already and its CRC is computed there; else the payload is
+        unpacked into them and its CRC computed in the same pass."""
+        s = spec.stage
+        if self.in_place:
+            crc = blocks_crc(self.page_bytes[s], chunk_blocks, self.copy_threads)
+            return verify_header(self.restore_bufs[buf][i * HEADER_BYTES:(i + 1) * HEADER_BYTES], spec, crc)
+        lo = i // self.stages * self.chunk_bytes + sum(self.obj_bytes[:s])
+        obj = self.restore_bufs[buf][lo:lo + self.obj_bytes[s]]
+        with copy_threads(self.copy_threads):
+            crc = self.kernels.unpack_chunk_crc(obj[HEADER_BYTES:].view(self.layout.dtype), self.engine.pages[s],
+                                                chunk_blocks)
+        return verify(obj, spec, payload_crc=crc)
 
     # ---- save (services/prefill/pool_save.py) -------------------------------------------------------
     def hold_for_save(self, prompt: list[int], block_table: list[int]) -> list[int]:

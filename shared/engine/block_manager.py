@@ -49,6 +49,9 @@ class BlockManager:
         self._on_event = on_event
         self.on_allocate: Callable[[list[int]], None] | None = None  # told the ids of every allocate (PageWarmer)
         self._ref = [0] * num_blocks
+        # times each block was allocated: its bytes can change only after an allocate (a new owner writes
+        # it), so whatever was derived from a block's bytes (a checksum) holds while this stays the same
+        self.generation = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # set iff _hash is set
         self._index: dict[bytes, int] = {}  # hash -> canonical block
@@ -163,6 +166,7 @@ class BlockManager:
             out.append(b)
         for b in out:
             self._ref[b] = 1
+            self.generation[b] += 1
         if evicted:
             self._emit(BlockRemoved(evicted))
         if self.on_allocate is not None and out:

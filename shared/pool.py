@@ -106,6 +106,17 @@ def store_class():
     return MooncakeDistributedStore, ReplicateConfig
 
 
+def _memory_replica(replicas) -> tuple[str, int, int] | None:
+    """(endpoint, address, size) of the first complete in-memory replica of one object, else None."""
+    from mooncake.store import ReplicaStatus
+
+    for r in replicas:
+        if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica():
+            b = r.get_memory_descriptor().buffer_descriptor
+            return b.transport_endpoint, b.buffer_address, b.size
+    return None
+
+
 class PoolClient:
     """A pure client of the pool. Registrations are locked here; batch calls go straight to Mooncake
     (which releases the GIL while they run)."""
@@ -211,6 +222,17 @@ class PoolClient:
         for lo, hi in self._chunks(len(keys)):
             out += self._call(store.batch_get_into_multi_buffers, hi - lo, list(keys[lo:hi]),
                               [list(a) for a in addrs[lo:hi]], [list(n) for n in sizes[lo:hi]])
+        return out
+
+    def replicas(self, keys: Sequence[str]) -> list[tuple[str, int, int] | None]:
+        """Where each object's bytes lie: (its store's transfer endpoint, address, size) of a complete
+        replica in a store's memory, or None (missing, not complete, only on disk, or the master could not
+        be asked). Asking grants each object found a read lease, as a read does (one master query: a read's
+        own first step)."""
+        store, out = self._live(), []
+        for lo, hi in self._chunks(len(keys)):
+            found = store.batch_get_replica_desc(list(keys[lo:hi]))
+            out += [_memory_replica(found.get(k, ())) for k in keys[lo:hi]]
         return out
 
     def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],

@@ -24,6 +24,9 @@ Facts this module relies on (mooncake-transfer-engine 0.3.13, measured on loopba
   returns 1 done or -1 failed (either frees the batch: it must not be checked again), 0 still running,
   -2 timed out. A submit that fails sends the rest through the sync call, whose failure path also drops
   the engine's cached connection to a dead peer.
+- `read` pulls pieces of a peer's registered memory the same way (`batch_transfer_async_read`, one piece
+  per batch, since `transfer_check_status` looks at a batch's first task only): the pool's direct reads
+  (shared/pool_reads.py) use it on the stores' segments, whose endpoints the master names.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from shared.config import ConfigError
 DEFAULT_SLOT_BYTES = 8 * 1024 * 1024
 MAX_TCP_BATCH = 1024  # hard limit per call to one peer over tcp (see module docstring)
 DEFAULT_MAX_BATCH = 512  # pieces per Transfer Engine call (KVTransport.write splits longer lists)
-_NOT_SUBMITTED = (0, 2**64 - 1, -1)  # transfer_submit_write's failure values (versions differ)
+_NOT_SUBMITTED = (0, 2**64 - 1, -1)  # transfer_submit_write's and batch_transfer_async_read's failure values
+NOT_SUBMITTED = -4  # `read`'s code for a piece the engine would not submit (peer unreachable)
 FIRST_NAP_S, LONGEST_NAP_S = 25e-6, 0.5e-3  # between status checks of a write in flight
 
 
@@ -84,6 +88,25 @@ def _engine_class():
     except ImportError as e:  # pragma: no cover - depends on the installed extra
         raise TransferError(f"mooncake transfer engine is not installed: {e}", -1) from e
     return TransferEngine
+
+
+def _await_batches(engine, batches: list[int]) -> list[int]:
+    """Checks single-piece batches in flight between short, growing naps until none runs: per batch 0 (done)
+    or its failure code (-1 failed, -2 timed out). A batch that ended was freed by its check."""
+    codes, running, nap = [0] * len(batches), list(range(len(batches))), FIRST_NAP_S
+    while running:
+        still = []
+        for i in running:
+            rc = engine.transfer_check_status(batches[i])
+            if rc == 0:
+                still.append(i)
+            elif rc != 1:
+                codes[i] = rc
+        running = still
+        if running:
+            time.sleep(nap)
+            nap = min(2 * nap, LONGEST_NAP_S)
+    return codes
 
 
 class KVTransport:
@@ -173,11 +196,40 @@ class KVTransport:
             if rc != 0:
                 raise TransferError(f"write of pieces {lo}..{hi - 1} to {peer} failed", rc)
 
+    def covers(self, tensor: torch.Tensor) -> bool:
+        """Whether all of a tensor's memory lies in one registered buffer."""
+        with self._lock:
+            return self._local_ok(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def read(self, pieces: list[tuple[str, int, int, int]]) -> list[int]:
+        """Read each piece (peer, local address, peer's address, length) from the peer's registered memory
+        into local registered memory: per piece 0, or a negative code (NOT_SUBMITTED: the peer could not be
+        reached). Synchronous, waited for without spinning like `write`; returns once none is in flight.
+        Raises TransferError when a local range is not registered (nothing is read then)."""
+        engine = self._live()
+        with self._lock:
+            bad = [p for p in pieces if p[3] < 0 or not self._local_ok(p[1], p[3])]
+        if bad:
+            raise TransferError(f"destination 0x{bad[0][1]:x}+{bad[0][3]} is not in a registered buffer", -3)
+        codes = [0] * len(pieces)
+        for lo in range(0, len(pieces), self.max_batch):
+            running = []
+            for i in range(lo, min(len(pieces), lo + self.max_batch)):
+                peer, local, remote, length = pieces[i]
+                batch = engine.batch_transfer_async_read(peer, [local], [remote], [length])
+                if batch in _NOT_SUBMITTED:
+                    codes[i] = NOT_SUBMITTED
+                else:
+                    running.append((i, batch))
+            for (i, _), rc in zip(running, _await_batches(engine, [b for _, b in running])):
+                codes[i] = rc
+        return codes
+
     @staticmethod
     def _submit_and_wait(engine, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         """One batch of pieces, each submitted on its own and waited for without spinning; 0 or a failure
         code. Returns only once no piece is in flight (a batch is freed by its last check)."""
-        running, failed, submitted = [], 0, 0
+        running, submitted = [], 0
         for submitted in range(len(srcs)):
             batch = engine.transfer_submit_write(peer, srcs[submitted], dsts[submitted], lengths[submitted])
             if batch in _NOT_SUBMITTED:
@@ -185,19 +237,7 @@ class KVTransport:
             running.append(batch)
         else:
             submitted = len(srcs)
-        nap = FIRST_NAP_S
-        while running:
-            still = []
-            for batch in running:
-                rc = engine.transfer_check_status(batch)
-                if rc == 0:
-                    still.append(batch)
-                elif rc != 1:
-                    failed = rc  # -1 failed (freed), -2 timed out
-            running = still
-            if running:
-                time.sleep(nap)
-                nap = min(2 * nap, LONGEST_NAP_S)
+        failed = next((rc for rc in _await_batches(engine, running) if rc != 0), 0)
         if failed:
             return failed
         if submitted < len(srcs):  # not submitted (peer unreachable?): the sync call, which also forgets a dead peer

@@ -20,7 +20,10 @@ from services.master.main import parse_metrics
 from services.store.main import meminfo, plan_hugepages
 from shared.bus import Bus, BusConfig
 from shared.messages import LoadReport
-from shared.pool import NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, PoolClient, PoolConfig, PoolError
+from shared.pool import (INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, TRANSFER_FAIL, PoolClient, PoolConfig,
+                         PoolError)
+from shared.pool_reads import DirectReads
+from shared.transfer import KVTransport, TransferError
 from tests.natsbus import free_port
 
 pytest.importorskip("mooncake.store")
@@ -158,6 +161,17 @@ def bufs(pool):
         b.close()
 
 
+@pytest.fixture(scope="module")
+def direct(bufs):
+    """DirectReads over bufs' client: a Transfer Engine of its own, with bufs.dst registered."""
+    transport = KVTransport()
+    transport.register(bufs.dst)
+    try:
+        yield DirectReads(bufs.client, transport)
+    finally:
+        transport.close()
+
+
 def _key(name: str) -> str:
     return f"test/{uuid.uuid4().hex[:8]}/{name}"
 
@@ -235,6 +249,38 @@ def test_get_into_pieces_scatters_an_object_in_order(bufs):
         bufs.client.get_into_pieces([a], [[d, d + 4096]], [[4096]])
 
 
+def test_direct_reads_scatter_like_the_store_client(bufs, direct):
+    """The stores' memory read with our own Transfer Engine: the same bytes in the same places, and the
+    same codes, as the store client's get_into_pieces."""
+    a, b, c = _key("direct-a"), _key("direct-b"), _key("direct-c")
+    size = 1 * MiB
+    assert bufs.put([a, b, c], size) == [0, 0, 0]
+    assert all(w is not None and w[2] == size for w in bufs.client.replicas([a, b, c]))
+    assert bufs.client.replicas([_key("missing")]) == [None]
+    bufs.dst.zero_()
+    d, before = bufs.dst.data_ptr(), dict(direct.counts)
+    pieces = [[d + size - 4096, d + 2 * size, d], [4096, size // 2, size // 2 - 4096]]
+    got = direct.get_into_pieces([a, b], [pieces[0], [d + 3 * size]], [pieces[1], [size]])
+    assert got == [size, size]
+    src, dst = bufs.src, bufs.dst
+    assert torch.equal(dst[size - 4096:size], src[:4096])
+    assert torch.equal(dst[2 * size:2 * size + size // 2], src[4096:4096 + size // 2])
+    assert torch.equal(dst[:size // 2 - 4096], src[4096 + size // 2:size])
+    assert torch.equal(dst[3 * size:4 * size], src[size:2 * size])
+    assert direct.get_into([c], [d + 5 * size], [size + 4096]) == [size]  # a larger buffer is fine
+    assert torch.equal(dst[5 * size:6 * size], src[2 * size:3 * size])
+    assert direct.counts["direct"] - before["direct"] == 3 and direct.counts["through_store"] == before["through_store"]
+    # too small, or missing (asked of the store client, which names it): a code, never data
+    bufs.dst.zero_()
+    short = direct.get_into_pieces([a, _key("missing")], [[d, d + 4096], [d]], [[4096, 4096], [size]])
+    assert short == [INVALID_PARAMS, OBJECT_NOT_FOUND] and not bufs.dst[:size].any()
+    assert direct.counts["through_store"] == before["through_store"] + 1
+    with pytest.raises(ValueError):
+        direct.get_into_pieces([a], [[d, d + 4096]], [[4096]])
+    with pytest.raises(TransferError, match="not in a registered buffer"):  # bufs.src is not registered with it
+        direct.get_into([a], [bufs.src.data_ptr()], [size])
+
+
 def test_put_of_existing_key_keeps_the_old_value(bufs):
     key, size = _key("k"), 1 * MiB
     assert bufs.put([key], size, offset=0) == [0]
@@ -304,7 +350,7 @@ def test_store_and_master_publish_load_reports(pool):
     assert {"used_bytes", "evictions", "objects", "clients"} <= set(master.detail)
 
 
-def test_killed_store_loses_only_its_objects(pool, bufs):
+def test_killed_store_loses_only_its_objects(pool, bufs, direct):
     doomed = pool.start("store", *pool.store_args(9, 32 * MiB))
     keep_seg, doomed_seg = pool.segment_of("store-0"), pool.segment_of("store-9")
     keep, lost = _key("keep"), _key("lost")
@@ -313,6 +359,11 @@ def test_killed_store_loses_only_its_objects(pool, bufs):
     assert bufs.get([keep, lost], 2 * MiB) == [2 * MiB, 2 * MiB]
     os.killpg(doomed.proc.pid, signal.SIGKILL)
     doomed.proc.wait()
+    # read directly, the dead store's object fails (-800) while the master still lists it; the other reads
+    d = bufs.dst.data_ptr()
+    rcs = direct.get_into([keep, lost], [d, d + 2 * MiB], [2 * MiB, 2 * MiB])
+    assert rcs[0] == 2 * MiB and torch.equal(bufs.dst[:2 * MiB], bufs.src[:2 * MiB])
+    assert rcs[1] in (TRANSFER_FAIL, OBJECT_NOT_FOUND), rcs
     # reads of the dead store's object fail at once (-800), then the master forgets it (-704)
     deadline, rcs = time.monotonic() + 8, None
     while time.monotonic() < deadline:

@@ -112,6 +112,8 @@ def test_turn_restores_history_from_pool_after_device_eviction(system, tiny):
     restore = spans["store.restore"]["attributes"]
     assert spans["store.lookup"]["attributes"]["hit_chunks"] == 2
     assert restore["chunks"] == 2 and restore["bytes"] > 0 and "stage1_ms" in restore
+    # read from the stores' memory by prefill's own Transfer Engine (pool.restore_direct_reads), all 2 x 2 objects
+    assert restore["read_direct"] == 4 and restore["read_through_store"] == 0
 
 
 def test_turn_that_ends_in_prefill_still_saves_its_history(system, tiny):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.transfer import (DEFAULT_SLOT_BYTES, KVTransport, LandingSlots, Slot, TransferError,
+from shared.transfer import (DEFAULT_SLOT_BYTES, NOT_SUBMITTED, KVTransport, LandingSlots, Slot, TransferError,
                              plan_writes, set_tcp_progress_timeout)
 
 # ---------------------------------------------------------------- plan_writes
@@ -177,7 +177,14 @@ class _CountingEngine:
         return getattr(self.engine, name)
 
     def transfer_submit_write(self, peer, src, dst, length):
-        batch = self.engine.transfer_submit_write(peer, src, dst, length)
+        return self._submitted(self.engine.transfer_submit_write(peer, src, dst, length))
+
+    def batch_transfer_async_read(self, peer, locals_, remotes, lens):
+        return self._submitted(self.engine.batch_transfer_async_read(peer, locals_, remotes, lens))
+
+    def _submitted(self, batch):
+        if batch in (0, 2**64 - 1):  # not submitted: nothing in flight
+            return batch
         if not self.in_flight:
             self.batches.append(0)
         self.batches[-1] += 1
@@ -214,6 +221,31 @@ def test_write_splits_batches_above_max_batch(pair, buffers, monkeypatch):
     bounded(lambda: src_t.write(dst_t.endpoint, [s0 + o for o, _ in pieces], [d0 + o for o, _ in pieces],
                                 [n for _, n in pieces]))
     assert spy.batches == [512, 88] and spy.sync_calls == [] and not spy.in_flight and torch.equal(dst[:600 * 512], src[:600 * 512])
+
+
+def test_read_pulls_exact_bytes_without_the_sync_call(pair, buffers, monkeypatch):
+    """`read` (the pool's direct reads): the peer's registered memory into ours, each piece its own batch,
+    checked until none is in flight; a bad piece fails alone, with a code, and nothing is left running."""
+    (src_t, dst_t), (src, dst) = pair, buffers
+    spy = _CountingEngine(dst_t._engine)
+    monkeypatch.setattr(dst_t, "_engine", spy)
+    monkeypatch.setattr(dst_t, "max_batch", 2)
+    cuts = [0, 1 << 20, (1 << 20) + 4097, (2 << 20) + 13, 3 << 20]
+    pieces = [(a, b - a) for a, b in zip(cuts, cuts[1:])][::-1]
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    codes = bounded(lambda: dst_t.read([(src_t.endpoint, d0 + o, s0 + o, n) for o, n in pieces]))
+    assert codes == [0] * 4 and torch.equal(src, dst)
+    assert spy.batches == [2, 2] and spy.sync_calls == [] and not spy.in_flight
+    dst.fill_(0xAB)
+    codes = bounded(lambda: dst_t.read([(src_t.endpoint, d0, s0, 4096), (src_t.endpoint, d0 + 4096, 0x1000, 4096),
+                                        ("127.0.0.1:1", d0 + 8192, s0, 4096)]))
+    assert codes[0] == 0 and codes[1] < 0 and codes[2] == NOT_SUBMITTED and not spy.in_flight
+    assert torch.equal(dst[:4096], src[:4096]) and bool((dst[8192:] == 0xAB).all())
+    loose = torch.ones(4096, dtype=torch.uint8)
+    with pytest.raises(TransferError) as e:       # local destination not registered: nothing is read
+        dst_t.read([(src_t.endpoint, loose.data_ptr(), s0, 4096)])
+    assert e.value.code == -3 and bool((loose == 1).all())
+    assert dst_t.covers(dst) and not dst_t.covers(loose)
 
 
 def test_landing_slots_end_to_end(pair):

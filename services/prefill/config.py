@@ -17,6 +17,7 @@ class PoolSettings(PoolConfig):
     min_restore_tokens: int = 0            # restore only when at least this many prompt tokens would come from the pool (and at least one chunk)
     restore_batch_chunks: int = 4          # chunks per batched read (sizes the registered restore buffer)
     restore_in_place: bool = True          # read restored chunks straight into their device blocks and verify them there (CPU pages; else through a registered buffer, then unpacked)
+    restore_direct_reads: bool = True      # read restored objects from the stores' memory with prefill's own Transfer Engine, waited for without spinning (shared/pool_reads.py); false: through the store client, whose reads busy-poll a core
     restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
     save: bool = True                      # save each new full prompt chunk after prefill (async)
     save_batch_chunks: int = 8             # chunks per batched put (one put per request up to this; sizes the registered save buffer)

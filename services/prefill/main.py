@@ -364,8 +364,9 @@ async def serve(ctx: ServiceContext) -> None:
         async def saved(digests: list[bytes]) -> None:
             events.emit_store(digests, engine.layout.chunk_tokens)
 
+        same_fabric = cfg.transfer.protocol == cfg.pool.protocol  # the stores are reached the transport's way
         svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved,
-                                 copy_threads=cfg.transfer.copy_threads)
+                                 copy_threads=cfg.transfer.copy_threads, transport=transport if same_fabric else None)
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()
     events.start()

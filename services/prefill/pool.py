@@ -11,7 +11,8 @@ chunk that fails ends the restore there: later tokens are computed.
   blocks. Verifying is then the CRC-32C of those blocks' bytes, in place: no unpack, no copy.
 - Else (pages elsewhere): the objects are read whole into a registered buffer, then unpacked into the
   blocks by kernels' unpack_chunk_crc, which computes the checksum as it copies (one pass).
-Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
+Who reads: prefill's own Transfer Engine (`restore_direct_reads`, shared/pool_reads.py: the store client's
+reads busy-poll a core), or the store client. Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
 registered buffers (headers, or whole objects) while the batch before is verified in one worker call.
 Either way a chunk's blocks are written before its verdict is known: a chunk that fails leaves them
 unregistered, and they go back to the free list with the rest of the restore's unused blocks. Only
@@ -45,8 +46,10 @@ from shared.block_crcs import blocks_crc
 from shared.kv_object import HEADER_BYTES, ObjectSpec, object_key, verify, verify_header
 from shared.kv_tenant import KVNamespace
 from shared.page_writes import to_runs
+from shared.pool_reads import DirectReads
 from shared.logging import get_logger
 from shared.tracing import get_tracer
+from shared.transfer import KVTransport
 
 tracer = get_tracer("moorage.prefill.pool")
 log = get_logger("prefill.pool")
@@ -78,7 +81,10 @@ class BatchDone:
 
 
 class PoolConnector:
-    def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None, copy_threads: int = 0):
+    def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None, copy_threads: int = 0,
+                 transport: KVTransport | None = None):
+        """transport: prefill's Transfer Engine; with settings.restore_direct_reads restores read through it
+        (shared/pool_reads.py), else through the store client."""
         self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
         self.copy_threads = copy_threads or torch.get_num_threads()  # an unpack's (it overlaps the next read)
         self.bm, self.layout = engine.block_manager, engine.layout
@@ -101,6 +107,13 @@ class PoolConnector:
             self.page_bytes = [p.view(p.shape[0], -1).view(torch.uint8) for p in engine.pages]
             for p in engine.pages:
                 client.register(p)
+        # who reads: the store client, or prefill's own engine (every buffer a read lands in registered with it)
+        self.reads = client
+        if transport is not None and settings.restore_direct_reads:
+            for t in self.restore_bufs + (list(engine.pages) if self.in_place else []):
+                if not transport.covers(t):
+                    transport.register(t)
+            self.reads = DirectReads(client, transport)
         self.restore_lock = asyncio.Lock()
         self.counters = {"restored_chunks": 0, "restored_bytes": 0, "verify_failures": 0, "saved_chunks": 0,
                          "save_skipped": 0, "save_failures": 0, "lookup_errors": 0}
@@ -208,6 +221,7 @@ class PoolConnector:
         c0, prefix, fresh = reserved
         digests = digests[c0:c0 + len(fresh) // bpc]
         t0, stage_ms, timing = time.perf_counter(), [0.0] * self.stages, {"read_wait_ms": 0.0}
+        counted = dict(getattr(self.reads, "counts", {}))  # DirectReads: objects read each way (restores are serial)
         try:
             good = await self._read_verify(digests, fresh, stage_ms, timing, ns)
         except BaseException:  # nothing is registered; every block we hold goes back
@@ -228,6 +242,7 @@ class PoolConnector:
         self.counters["restored_bytes"] += nbytes
         span.set_attributes({"chunks": good, "bytes": nbytes, "verify_failures": self.counters["verify_failures"],
                              "ms": (time.perf_counter() - t0) * 1e3, **timing,
+                             **{f"read_{k}": n - counted[k] for k, n in getattr(self.reads, "counts", {}).items()},
                              **{f"stage{s}_ms": ms for s, ms in enumerate(stage_ms)}})
         return Restored(pinned, (c0 * self.chunk, (c0 + good) * self.chunk),
                         {"chunks": good, "bytes": nbytes})
@@ -305,7 +320,7 @@ class PoolConnector:
             for s, key in enumerate(self.keys(d, ns)):
                 keys.append(key), addrs.append(base + off), sizes.append(self.obj_bytes[s])
                 off += self.obj_bytes[s]
-        return self.client.get_into(keys, addrs, sizes)
+        return self.reads.get_into(keys, addrs, sizes)
 
     def _read_in_place(self, digests: list[bytes], blocks: list[int], buf: int, ns: KVNamespace) -> list[int]:
         """Each object read in pieces: its header into restore buffer `buf`, its payload into its chunk's
@@ -319,7 +334,7 @@ class PoolConnector:
                 keys.append(key)
                 addrs.append([header + len(keys) * HEADER_BYTES - HEADER_BYTES] + [base + b * nb for b, _ in runs])
                 sizes.append([HEADER_BYTES] + [n * nb for _, n in runs])
-        return self.client.get_into_pieces(keys, addrs, sizes)
+        return self.reads.get_into_pieces(keys, addrs, sizes)
 
     def _verify(self, digests: list[bytes], got: list[int], buf: int, blocks: list[int],
                 ns: KVNamespace) -> "BatchDone":

@@ -80,6 +80,9 @@ class Subjects:
     def decode_pages_released(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.pages_released"
 
+    def decode_pages_landed(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.pages_landed"
+
     def decode_landed(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.landed"
 

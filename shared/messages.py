@@ -268,6 +268,15 @@ class PagesReleased(Message):
     request_id: str
 
 
+@message("pages_landed")
+class PagesLanded(Message):
+    """Some of a direct handoff's writes are complete in decode's pages (its Transfer Engine said so while
+    the others are still on the wire): decode may verify these now, beside the rest of the write. Only a
+    head start: HandoffDone still lists every write, and decode checks whatever it has not checked yet."""
+    request_id: str
+    pages: list = field(default_factory=list)          # [[first, count, offset, nbytes, crc32c]], as HandoffDone.pages
+
+
 @message("handoff_done")
 class HandoffDone(Message):
     """All KV landed: decode adopts the request and continues generating."""

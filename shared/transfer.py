@@ -90,9 +90,10 @@ def _engine_class():
     return TransferEngine
 
 
-def _await_batches(engine, batches: list[int]) -> list[int]:
+def _await_batches(engine, batches: list[int], on_done=None) -> list[int]:
     """Checks single-piece batches in flight between short, growing naps until none runs: per batch 0 (done)
-    or its failure code (-1 failed, -2 timed out). A batch that ended was freed by its check."""
+    or its failure code (-1 failed, -2 timed out). A batch that ended was freed by its check. on_done(i):
+    called (on this thread) as batch i completes."""
     codes, running, nap = [0] * len(batches), list(range(len(batches))), FIRST_NAP_S
     while running:
         still = []
@@ -102,6 +103,8 @@ def _await_batches(engine, batches: list[int]) -> list[int]:
                 still.append(i)
             elif rc != 1:
                 codes[i] = rc
+            elif on_done is not None:
+                on_done(i)
         running = still
         if running:
             time.sleep(nap)
@@ -174,8 +177,11 @@ class KVTransport:
         t = self._regions[self._starts[i]]
         return addr + length <= self._starts[i] + t.numel() * t.element_size()
 
-    def write(self, peer: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int]) -> None:
+    def write(self, peer: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int],
+              on_landed=None) -> None:
         """Write src_addrs[i] (local, registered) -> dst_addrs[i] (peer, registered) for every i.
+        on_landed(i): called on this thread as piece i is known complete at the peer (not for pieces a
+        failed submit sent through the sync call; the write's return covers those).
 
         Synchronous; sent in batches of at most `max_batch`. On failure raises TransferError: some
         pieces may have landed, none is known to be complete, so the caller treats the whole hand-off
@@ -192,7 +198,8 @@ class KVTransport:
             raise TransferError(f"source 0x{src_addrs[i]:x}+{lengths[i]} is not in a registered buffer", -3)
         for lo in range(0, n, self.max_batch):
             hi = min(n, lo + self.max_batch)
-            rc = self._submit_and_wait(engine, peer, src_addrs[lo:hi], dst_addrs[lo:hi], lengths[lo:hi])
+            done = None if on_landed is None else (lambda i, lo=lo: on_landed(lo + i))
+            rc = self._submit_and_wait(engine, peer, src_addrs[lo:hi], dst_addrs[lo:hi], lengths[lo:hi], done)
             if rc != 0:
                 raise TransferError(f"write of pieces {lo}..{hi - 1} to {peer} failed", rc)
 
@@ -226,7 +233,8 @@ class KVTransport:
         return codes
 
     @staticmethod
-    def _submit_and_wait(engine, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+    def _submit_and_wait(engine, peer: str, srcs: list[int], dsts: list[int], lengths: list[int],
+                         on_done=None) -> int:
         """One batch of pieces, each submitted on its own and waited for without spinning; 0 or a failure
         code. Returns only once no piece is in flight (a batch is freed by its last check)."""
         running, submitted = [], 0
@@ -237,7 +245,7 @@ class KVTransport:
             running.append(batch)
         else:
             submitted = len(srcs)
-        failed = next((rc for rc in _await_batches(engine, running) if rc != 0), 0)
+        failed = next((rc for rc in _await_batches(engine, running, on_done) if rc != 0), 0)
         if failed:
             return failed
         if submitted < len(srcs):  # not submitted (peer unreachable?): the sync call, which also forgets a dead peer

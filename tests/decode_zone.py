@@ -51,7 +51,7 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     from services.prefill.direct import DirectSender
     from services.prefill.handoff import HandoffSender
     from shared.bus import Bus, BusConfig
-    from shared.messages import HandoffDone, PagesReleased, PagesRequest, SlotRequest, SlotsFilled
+    from shared.messages import HandoffDone, PagesLanded, PagesReleased, PagesRequest, SlotRequest, SlotsFilled
     from shared.transfer import KVTransport
 
     p_bus = await Bus.connect(BusConfig(url=url), "test-prefill")
@@ -66,6 +66,7 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
         s = d_bus.subjects
         await d_bus.subscribe(s.decode_pages("decode-0"), PagesRequest, decode.direct.grant, concurrent=True)
         await d_bus.subscribe(s.decode_pages_released("decode-0"), PagesReleased, decode.direct.released)
+        await d_bus.subscribe(s.decode_pages_landed("decode-0"), PagesLanded, decode.direct.landed)
         await d_bus.subscribe(s.decode_slots("decode-0"), SlotRequest, decode.zone.grant, concurrent=True)
         await d_bus.subscribe(s.decode_filled("decode-0"), SlotsFilled, decode.zone.filled)
         await d_bus.subscribe(s.decode_landed("decode-0"), HandoffDone, decode.on_landed)

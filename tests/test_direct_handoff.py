@@ -23,13 +23,13 @@ import ctypes
 import pytest
 import torch
 
-from services.decode.direct import DirectPages, _shares
+from services.decode.direct import DirectPages, Refused, _shares
 from services.prefill.handoff import HandoffFailed
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import checksum
 from shared.kv_layout import KVLayout
-from shared.messages import Cancel, HandoffDone, PagesReleased, PagesRequest
+from shared.messages import Cancel, HandoffDone, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import PageWrite, expand_runs, plan, tiling_error, to_runs
 from shared.transfer import KVTransport, TransferConfig
 from tests.decode_zone import collect_chunks, handoff_pair, running_decode
@@ -167,13 +167,20 @@ async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks
             rogue.register(flip)
             real_write, corrupted = h.p_te.write, []
 
-            def write_then_corrupt(peer, src, dst, lens):
-                real_write(peer, src, dst, lens)
-                if not corrupted:  # after prefill's write, before decode's check
-                    k = lens[0] // 2
-                    flip[0] = ctypes.string_at(src[0] + k, 1)[0] ^ 0xFF
-                    rogue.write(peer, [flip.data_ptr()], [dst[0] + k], [1])
-                    corrupted.append(dst[0] + k)
+            def write_then_corrupt(peer, src, dst, lens, on_landed=None):
+                def corrupt(i: int) -> None:  # piece i landed: one byte of it goes bad before decode checks it
+                    if not corrupted:
+                        k = lens[i] // 2
+                        flip[0] = ctypes.string_at(src[i] + k, 1)[0] ^ 0xFF
+                        rogue.write(peer, [flip.data_ptr()], [dst[i] + k], [1])
+                        corrupted.append(dst[i] + k)
+
+                def landed(i: int) -> None:  # before prefill hears of it (and may tell decode: PagesLanded)
+                    corrupt(i)
+                    on_landed(i)
+
+                real_write(peer, src, dst, lens, None if on_landed is None else landed)
+                corrupt(0)  # a one-write handoff: after prefill's write, before decode's check
 
             monkeypatch.setattr(h.p_te, "write", write_then_corrupt)
             try:
@@ -311,11 +318,50 @@ async def test_decode_checks_every_write_whichever_of_its_threads_verifies_it(ti
             for span in spans:
                 span.copy_(torch.randint(0, 256, (bb,), dtype=torch.uint8))
             writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]  # 2 shares of 2 writes
-            assert await pages._verify(landing, writes) is None
+            assert await pages._verify(landing, writes) == (None, 0)
             spans[3][bb // 2] ^= 1  # in the second share
-            assert (await pages._verify(landing, writes)).startswith("write 3 ")
+            assert (await pages._verify(landing, writes))[0].startswith("write 3 ")
             spans[3][bb // 2] ^= 1
             spans[1][0] ^= 1  # the first share's mismatch is the one reported, whichever thread ends first
             spans[2][7] ^= 1
-            assert (await pages._verify(landing, writes)).startswith("write 1 ")
+            assert (await pages._verify(landing, writes))[0].startswith("write 1 ")
             await decode.direct.released(PagesReleased("r1"))
+
+
+async def test_writes_told_landed_early_are_checked_once_and_a_bad_one_still_refuses(tiny):
+    """PagesLanded starts checking writes while the rest are on the wire; HandoffDone awaits those checks
+    instead of repeating them, checks the others, and a mismatch found early refuses the request."""
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with KVTransport() as te:
+        async with running_decode(engine) as decode:
+            pages = decode.direct = DirectPages(decode.zone, te, enabled=True)
+            bb, bs = pages.block_bytes, engine.layout.block_size
+            free = lambda: decode.loop.call(lambda: engine.block_manager.num_free_blocks)  # noqa: E731
+
+            async def granted(rid: str) -> list:
+                await pages.grant(PagesRequest(rid, "prefill-0", 4 * bs, engine.layout.block_layout))
+                spans = [pages._bytes[b * bb:(b + 1) * bb] for b in decode.zone.landings[rid].blocks]
+                for span in spans:
+                    span.copy_(torch.randint(0, 256, (bb,), dtype=torch.uint8))
+                return spans
+
+            def done(rid: str, writes: list) -> HandoffDone:
+                return HandoffDone(rid, [1] * 4 * bs, [2], "", {}, {}, pages=writes)
+
+            spans = await granted("r1")
+            writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]
+            await pages.landed(PagesLanded("r1", writes[:2] + [[3, 9, 0, bb, 0], "junk"]))  # outside / malformed: ignored
+            assert set(decode.zone.landings["r1"].checks) == {tuple(w) for w in writes[:2]}
+            await pages.landed(PagesLanded("r1", writes[:1]))  # told twice: checked once
+            landing, timing = await pages.land(done("r1", writes))
+            assert timing["verified_early"] == 2 and decode.zone.checks.verified == 4
+            await decode.loop.call(lambda: engine.block_manager.release(landing.blocks))
+            await pages.landed(PagesLanded("r1", writes[:1]))  # a late one, for a request already taken: ignored
+
+            spans = await granted("r2")
+            writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]
+            spans[1][5] ^= 1  # corrupted in flight, before decode heard it landed
+            await pages.landed(PagesLanded("r2", writes[1:2]))
+            with pytest.raises(Refused, match="write 1 "):
+                await pages.land(done("r2", writes))
+            assert "r2" not in decode.zone.landings and await free() == NUM_BLOCKS

@@ -31,6 +31,7 @@ SAMPLES: dict[str, m.Message] = {
     "pages_request": m.PagesRequest("r1", "prefill-0", 40, [30, 3, 64, "torch.float32", 16]),
     "pages_grant": m.PagesGrant("r1", "10.0.0.2:12345", runs=[[1 << 40, 3], [2 << 40, 1]], block_bytes=737280),
     "pages_released": m.PagesReleased("r1"),
+    "pages_landed": m.PagesLanded("r1", pages=[[0, 2, 0, 1 << 20, 0xDEADBEEF]]),
     "tokens": m.TokenChunk("r1", [5, 6], " world", finished=True, finish_reason="stop",
                            usage=make_usage(3, 2, {"device": 1}), error=None),
     "cancel": m.Cancel("r1", reason="client disconnected"),

@@ -12,6 +12,10 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   consecutive blocks; each write's bytes are checked against its CRC-32C in worker threads (shares of
   the writes in parallel), in place, before the engine adopts the blocks. A mismatch drops the
   landing and refuses: never wrong tokens.
+- `landed` (PagesLanded): some writes are complete while the rest are on the wire; each is checked at
+  once in a worker thread, and `land` awaits those checks instead of checking them again (a head start:
+  the verify overlaps the rest of the write). A write listed there that does not lie within the granted
+  blocks is ignored; HandoffDone's tiling check refuses it.
 - `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped.
 
 A granted landing is `writes_over = False` until HandoffDone or PagesReleased: dropped before that
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from opentelemetry.trace import Status, StatusCode
@@ -31,7 +36,7 @@ from services.decode.landing import GRANT_HOLD_S, Landing, LandingZone
 from shared.engine.block_manager import OutOfBlocks
 from shared.handoff_check import MISMATCH, checksum
 from shared.logging import get_logger
-from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
+from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import tiling_error, to_runs
 from shared.tracing import extract_context, get_tracer
 from shared.transfer import KVTransport
@@ -50,6 +55,7 @@ class DirectPages:
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
         self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
+        self._early = ThreadPoolExecutor(1, thread_name_prefix="decode-verify-early")  # checks on PagesLanded
         self.reason = ("transfer.direct is false" if not enabled else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
@@ -103,9 +109,60 @@ class DirectPages:
         await self.zone.drop(msg.request_id)
         await self.zone.writes_ended(msg.request_id)
 
-    async def land(self, msg: HandoffDone) -> tuple[Landing, float]:
-        """The verified landing, taken from the zone for the engine to adopt, and the ms verification took.
-        Raises KeyError (unknown or cancelled) or Refused (the landing is dropped)."""
+    async def landed(self, msg: PagesLanded, raw=None) -> None:
+        """A head start: check these complete writes now, beside the rest of the write, not at HandoffDone.
+        One worker call per message, on one thread for every landing (`_early`): a 2-core host's other
+        core is busy receiving the rest of the bytes."""
+        landing = self.zone.landings.get(msg.request_id)
+        if landing is None or landing.dropped or landing.writes_over:  # gone, taken, or a staged landing
+            return
+        keys = []
+        for w in msg.pages:
+            key = tuple(w) if isinstance(w, (list, tuple)) else None
+            if key is not None and key not in landing.checks and key not in keys and self._write_error(landing, key) is None:
+                keys.append(key)
+        if not keys:
+            return
+        landing.scattering += 1  # a drop meanwhile frees the blocks only once this check let go of them
+        task = asyncio.ensure_future(self._early_checks(landing, keys))
+        for j, key in enumerate(keys):
+            landing.checks[key] = (task, j)
+
+    async def _early_checks(self, landing: Landing, writes: list[tuple]) -> list[int | str]:
+        """Per write, the CRC-32C of its bytes in the pages (compared at HandoffDone), or why it has none."""
+        def crcs() -> list[int | str]:
+            out = []
+            for w in writes:
+                try:
+                    out.append(self._crc(landing, w))
+                except Exception as e:  # noqa: BLE001 - a check that cannot run is a refusal, never a pass
+                    out.append(f"{type(e).__name__}: {e}")
+            return out
+
+        work = asyncio.get_running_loop().run_in_executor(self._early, crcs)
+        try:
+            return await asyncio.shield(work)
+        finally:  # cancelled (shutdown): the thread still reads the blocks until it ends
+            await asyncio.gather(work, return_exceptions=True)
+            landing.scattering -= 1
+            if landing.dropped:
+                await self.zone._free_if_idle(landing)
+
+    def _write_error(self, landing: Landing, w: tuple) -> str | None:
+        """Why one write [first, count, offset, nbytes, crc] is not within consecutive granted blocks."""
+        if len(w) != 5 or not all(isinstance(x, int) for x in w):
+            return "malformed write"
+        first, count, offset, nbytes, _ = w
+        if first < 0 or count < 1 or first + count > len(landing.blocks) or offset < 0 or nbytes < 0 \
+                or offset + nbytes > count * self.block_bytes:
+            return "write outside the granted blocks"
+        run = landing.blocks[first:first + count]
+        return None if run == list(range(run[0], run[0] + count)) else "blocks not consecutive"
+
+    async def land(self, msg: HandoffDone) -> tuple[Landing, dict]:
+        """The verified landing, taken from the zone for the engine to adopt, and its timing (verify_ms: the
+        wait for verification here; verified_early: writes checked on PagesLanded). Raises KeyError (unknown
+        or cancelled) or Refused (the landing is dropped)."""
         rid, zone = msg.request_id, self.zone
         await zone.writes_ended(rid)
         landing = zone.landings.get(rid)
@@ -118,8 +175,8 @@ class DirectPages:
         landing.scattering += 1  # a drop meanwhile frees the blocks only once this check let go of them
         try:
             t = time.perf_counter()
-            reason = await self._verify(landing, msg.pages)
-            verify_ms = (time.perf_counter() - t) * 1e3
+            reason, early = await self._verify(landing, msg.pages)
+            timing = {"verify_ms": (time.perf_counter() - t) * 1e3, "verified_early": early}
         finally:
             landing.scattering -= 1
         if landing.dropped:
@@ -133,7 +190,7 @@ class DirectPages:
         zone.checks.verified += len(msg.pages)
         landing.received_bytes = landing.total_bytes
         landing.settled.set()
-        return zone.take(rid), verify_ms
+        return zone.take(rid), timing
 
     def _consecutive_error(self, landing: Landing, msg: HandoffDone) -> str | None:
         for first, count, *_ in msg.pages:
@@ -142,27 +199,54 @@ class DirectPages:
                 return f"write over blocks {first}..{first + count - 1} that are not consecutive in decode's pages"
         return None
 
-    async def _verify(self, landing: Landing, writes: list) -> str | None:
-        """None when every write's bytes in the pages match its checksum; else why not (the first mismatch
-        in write order). The writes are checked in `threads` worker threads at once, in shares of about
-        equal bytes (crc32c releases the GIL; prefill cuts long runs into 4 MiB writes for this)."""
-        shares = _shares([w[3] for w in writes], self.threads)
-        found = await asyncio.gather(*(self.zone.loop.run_in_worker(lambda s=s: self._check(landing, writes, s))
-                                       for s in shares))
-        return next((r for r in found if r is not None), None)
+    async def _verify(self, landing: Landing, writes: list) -> tuple[str | None, int]:
+        """(None when every write's bytes in the pages match its checksum, else why not; how many writes a
+        PagesLanded had already started checking). Those checks are awaited; the other writes are checked
+        in `threads` worker threads at once, in shares of about equal bytes (the CRC releases the GIL;
+        prefill cuts long runs into 4 MiB writes for this)."""
+        early = [landing.checks.get(tuple(w)) for w in writes]
+        rest = [i for i, e in enumerate(early) if e is None]
+        shares = [[rest[j] for j in s] for s in _shares([writes[i][3] for i in rest], self.threads)] if rest else []
+        told = [i for i, e in enumerate(early) if e is not None]
+        tasks = list({early[i][0]: None for i in told})
+        results = dict(zip(tasks, await asyncio.gather(*tasks)))
+        found = [_mismatch(i, writes[i], results[early[i][0]][early[i][1]]) for i in told] + await asyncio.gather(*(
+            self.zone.loop.run_in_worker(lambda s=s: self._check(landing, writes, s)) for s in shares))
+        return _first(found), len(told)
 
-    def _check(self, landing: Landing, writes: list, share: range) -> str | None:
+    def _check(self, landing: Landing, writes: list, share) -> tuple[int, str] | None:
         """Worker thread: the first of writes[share] whose bytes do not match its checksum, or None."""
         for i in share:
-            first, _count, offset, nbytes, crc = writes[i]
-            lo = landing.blocks[first] * self.block_bytes + offset
-            view = self._bytes[lo:lo + nbytes]
-            if i == 0:
-                self.zone.faults.apply(view)
-            got = checksum(view)
-            if got != crc:
-                return f"write {i} (blocks {first}.., {nbytes} bytes): crc32c {got:08x}, prefill sent {crc:08x}"
+            reason = _mismatch(i, writes[i], self._crc(landing, writes[i]))
+            if reason is not None:
+                return reason
         return None
+
+    def _crc(self, landing: Landing, write) -> int:
+        """Worker thread: the CRC-32C of one write's bytes in the pages (fault injection may flip a byte of
+        the handoff's first write, the one at the start of its first block, before)."""
+        first_block, _count, offset, nbytes, _crc = write
+        lo = landing.blocks[first_block] * self.block_bytes + offset
+        view = self._bytes[lo:lo + nbytes]
+        if first_block == 0 and offset == 0:
+            self.zone.faults.apply(view)
+        return checksum(view)
+
+
+def _mismatch(i: int, write, got: int | str) -> tuple[int, str] | None:
+    """(i, why) when write i's bytes (their CRC `got`, or why there is none) do not match its checksum."""
+    first, _count, _offset, nbytes, crc = write
+    if isinstance(got, str):
+        return i, f"write {i} (blocks {first}..) could not be checked: {got}"
+    if got != crc:
+        return i, f"write {i} (blocks {first}.., {nbytes} bytes): crc32c {got:08x}, prefill sent {crc:08x}"
+    return None
+
+
+def _first(found: list) -> str | None:
+    """The reason of the mismatch first in write order, or None."""
+    bad = [r for r in found if r is not None]
+    return min(bad)[1] if bad else None
 
 
 def _shares(sizes: list[int], n: int) -> list[range]:

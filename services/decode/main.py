@@ -28,8 +28,8 @@ from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
 from shared.holdings import ORPHAN_REASON, Served, orphans
-from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, PagesGrant, PagesReleased, PagesRequest,
-                             SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info, make_usage)
+from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, PagesGrant, PagesLanded, PagesReleased,
+                             PagesRequest, SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, LandingSlots
@@ -86,7 +86,8 @@ class DecodeService:
         rid, stats = msg.request_id, {}
         try:
             if msg.pages:  # written straight into our pages: verified here (services/decode/direct.py)
-                landing, stats["verify_ms"] = await self.direct.land(msg)
+                landing, timing = await self.direct.land(msg)
+                stats.update(timing)
             else:
                 landing = await self.zone.take_when_landed(rid)  # prefill sends this with the last SlotsFilled
         except (KeyError, ValueError) as e:
@@ -225,6 +226,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.decode_pages(ctx.instance), PagesRequest, svc.direct.grant,  # may wait for room too
                             on_error=lambda e, raw: PagesGrant("", error=str(e), fatal=True), concurrent=True)
     await ctx.bus.subscribe(s.decode_pages_released(ctx.instance), PagesReleased, svc.direct.released)
+    await ctx.bus.subscribe(s.decode_pages_landed(ctx.instance), PagesLanded, svc.direct.landed)
     await ctx.bus.subscribe(s.decode_filled(ctx.instance), SlotsFilled, svc.zone.filled,
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.decode_landed(ctx.instance), HandoffDone, svc.on_landed,

@@ -12,8 +12,11 @@ blocks are moved as they are:
    restarts its idle clock). A request that ends without `send` gives an early grant back (`release`).
 2. One batched Transfer Engine write of every run (shared/page_writes.py: usually one or a few spans,
    cut every 4 MiB); meanwhile a second thread computes the CRC-32C of each write (read-only, in place).
-3. HandoffDone carries the writes and their checksums; decode verifies its blocks before it adopts the
-   request (a mismatch refuses it: HandoffFailed, a 503 the router retries once), and the Ack ends it.
+   Writes the engine reports complete while others are still on the wire go to decode in PagesLanded
+   (with their CRCs, once the CRC thread has them), so decode verifies them beside the rest of the write.
+3. HandoffDone carries the writes and their checksums; decode verifies the blocks it has not verified yet
+   before it adopts the request (a mismatch refuses it: HandoffFailed, a 503 the router retries once),
+   and the Ack ends it.
 
 Replaces the staged path (services/prefill/handoff.py: gather into staging buffers, landing slots,
 scatter), which stays for decodes that answer `unsupported` and for transfer.direct = false.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 
@@ -40,7 +44,7 @@ from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread
 from shared.bus import Bus
 from shared.block_crcs import BlockCRCs
 from shared.kv_layout import KVLayout
-from shared.messages import HandoffDone, PagesGrant, PagesReleased, PagesRequest
+from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig
@@ -59,6 +63,41 @@ async def _settled(*tasks: asyncio.Future) -> None:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+class _Landed:
+    """Indices of the writes the engine reports complete, from the writing thread to the event loop: the
+    loop is woken once per batch that comes in, not once per write."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.ready = loop, threading.Lock(), asyncio.Event()
+        self.items: list[int] = []
+        self.ended = False
+
+    def add(self, i: int) -> None:
+        """Writing thread: write i is complete at the peer."""
+        with self.lock:
+            self.items.append(i)
+            wake = len(self.items) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    def end(self) -> None:
+        """Event loop: the write has returned: `next` answers [] from now on."""
+        self.ended = True
+        self.ready.set()
+
+    async def next(self) -> list[int]:
+        """The writes completed since the last call (waiting for one), or [] once the write has ended (what
+        came in last is left to HandoffDone, which goes out next)."""
+        while not self.ended:
+            await self.ready.wait()
+            self.ready.clear()
+            with self.lock:
+                items, self.items = self.items, []
+            if items and not self.ended:  # none: a wake-up for items an earlier call already took
+                return items
+        return []
 
 
 class DirectSender:
@@ -126,14 +165,20 @@ class DirectSender:
                     "round": 0, "writes": len(writes), "bytes": sum(lengths), "endpoint": grant.endpoint}):
                 crcs = asyncio.ensure_future(_finish_thread(self._checksums, writes,
                                                             num_tokens // self.layout.block_size))
+                landed = _Landed(asyncio.get_running_loop()) if len(writes) > 1 else None
                 wrote = asyncio.ensure_future(_finish_thread(self.transport.write, grant.endpoint, srcs, dsts,
-                                                             lengths))
+                                                             lengths, landed and landed.add))
+                telling = asyncio.ensure_future(self._tell_landed(decode, request_id, writes, crcs, landed)) \
+                    if landed is not None else None
                 try:
                     await asyncio.gather(crcs, wrote)
                 finally:  # both threads have ended before anything else happens. Never cancel the two again:
                     # a gather cancelled ends as soon as one child has (the checksum), and a second cancel would
                     # cut the other's wait for its thread short (found under load by the mid-write cancel test)
                     await _settled(crcs, wrote)
+                    if telling is not None:  # its last PagesLanded goes out before HandoffDone (or PagesReleased)
+                        landed.end()
+                        await _settled(telling)
             sums, stats.crc_ms, stats.crc_reused = crcs.result()
             stats.write_ms = (time.perf_counter() - t) * 1e3
             stats.bytes, stats.writes, stats.rounds = sum(lengths), self._batches(len(writes)), 1
@@ -147,12 +192,28 @@ class DirectSender:
             if not ack.ok:
                 raise HandoffFailed(f"decode refused the request: {ack.error}")
             stats.verify_ms = float(ack.stats.get("verify_ms", 0.0))
+            stats.verified_early = int(ack.stats.get("verified_early", 0))
             completed = True
             return stats
         finally:
             if not completed:  # failed or cancelled, and no write thread runs any more: decode may reuse the
                 # blocks it granted (or drops the grant it is about to make; the request fails anyway)
                 await self.release(decode, request_id, early)
+
+    async def _tell_landed(self, decode: str, request_id: str, writes: list[PageWrite], crcs: asyncio.Future,
+                           landed: "_Landed") -> None:
+        """While the write runs: the writes the engine reports complete go to decode in PagesLanded, as many
+        at a time as have come in, once their CRCs are known. Only a head start for decode's verify: a
+        failure here changes nothing (HandoffDone lists every write)."""
+        subject, sums = self.bus.subjects.decode_pages_landed(decode), None
+        while done := await landed.next():
+            if sums is None:
+                with contextlib.suppress(Exception):
+                    sums = (await asyncio.shield(crcs))[0]
+                if sums is None:
+                    return
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subject, PagesLanded(request_id, [writes[k].wire(sums[k]) for k in done]))
 
     def _batches(self, n: int) -> int:
         """Transfer Engine calls a write of n spans takes (KVTransport.write batches them)."""

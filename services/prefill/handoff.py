@@ -87,6 +87,7 @@ class HandoffStats:
     write_ms: float = 0.0
     scatter_ms: float = 0.0  # decode's, from the SlotsFilled acks; includes verify_ms (its checksums)
     verify_ms: float = 0.0
+    verified_early: int = 0  # direct: writes decode checked on PagesLanded, beside the rest of the write
     grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
     done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify included; adoption follows it)
     early_grant: bool = False  # direct: the grant was asked for while the prompt's last step computed

@@ -148,7 +148,10 @@ class BlockManager:
         return 0 <= n <= self.num_free_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh blocks at ref 1, no hash. Plain blocks first, then cached ones, evicting LRU-first."""
+        """n fresh blocks at ref 1, no hash. Plain blocks first, then cached ones, evicting LRU-first; in
+        increasing id order, whatever order they were freed in (tables are usually released last block
+        first), so that blocks adjacent in memory stay adjacent in the table: a handoff or a restore moves a
+        run of consecutive blocks as one piece (a table in reverse order cost one write per block)."""
         if n < 0:
             raise ValueError(f"allocate: negative count {n}")
         if n > self.num_free_blocks:
@@ -164,6 +167,7 @@ class BlockManager:
             evicted.append(h)
             self._hash[b] = self._tokens[b] = None
             out.append(b)
+        out.sort()
         for b in out:
             self._ref[b] = 1
             self.generation[b] += 1

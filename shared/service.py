@@ -54,6 +54,7 @@ class ServiceContext:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     load_report: Callable[[], LoadReport] | None = None  # published every load_interval_s
+    report_soon: asyncio.Event = field(default_factory=asyncio.Event)  # set: publish the load report now (KV freed)
     serving: bool = False  # serve() returned and no stop yet: what /health says with the load report
     http_url: str = ""     # where /health and /metrics answer ("" when http.port is -1)
     started_at: float = field(default_factory=time.time)
@@ -64,13 +65,27 @@ class ServiceContext:
         return get_logger(self.role)
 
 
+REPORT_GAP_S = 0.02  # reports asked for with report_soon go out at most this often (a burst is one report)
+
+
 async def _report_load(ctx: ServiceContext, interval: float) -> None:
+    """The load report every `interval`, and at once when the service sets `report_soon` (a decode that
+    freed KV: a gate that counts decode's reported free KV would otherwise wait up to `interval` to admit
+    the next request)."""
     while not ctx.stop.is_set():
+        ctx.report_soon.clear()
         if ctx.load_report is not None:
             with contextlib.suppress(Exception):
                 await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), _stamped(ctx))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(ctx.stop.wait(), timeout=interval)
+        waits = [asyncio.ensure_future(ctx.stop.wait()), asyncio.ensure_future(ctx.report_soon.wait())]
+        try:
+            await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if ctx.report_soon.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.stop.wait(), timeout=REPORT_GAP_S)
 
 
 def _stamped(ctx: ServiceContext) -> LoadReport:

@@ -7,6 +7,8 @@ and slot came back.
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 from types import SimpleNamespace
 
@@ -26,7 +28,7 @@ def service_ctx(role: str, bus=None):
             bus.published.append((subject, msg))
 
         bus.publish = publish
-    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
+    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0", report_soon=asyncio.Event())
 
 
 @contextlib.asynccontextmanager

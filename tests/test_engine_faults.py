@@ -81,7 +81,7 @@ def _ctx(role: str):
         bus.published.append((subject, msg))
 
     bus.publish = publish
-    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0")
+    return SimpleNamespace(bus=bus, log=get_logger(role), instance=f"{role}-0", report_soon=asyncio.Event())
 
 
 def error_chunks(ctx) -> dict[str, TokenChunk]:

@@ -135,6 +135,7 @@ class DecodeService:
         a = self.active.pop(msg.request_id, None)
         if a is not None:
             await self.loop.call(lambda: self.engine.abort(msg.request_id))
+            self.ctx.report_soon.set()
             a.span.set_attributes({"cancelled": True, **a.summary()})
             a.span.end()
         if dropped or a is not None:
@@ -156,6 +157,7 @@ class DecodeService:
             usage = None
             if out.finished:
                 self.active.pop(out.request_id, None)
+                self.ctx.report_soon.set()  # its KV is free: the gate counts our reported free KV
                 completion = a.tokens + 1  # plus the first token, sampled by prefill
                 usage = make_usage(a.prompt_tokens, completion, a.sources)
                 a.span.set_attributes({"completion_tokens": completion, "finish_reason": out.finish_reason or "",

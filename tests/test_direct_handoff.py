@@ -350,7 +350,8 @@ async def test_writes_told_landed_early_are_checked_once_and_a_bad_one_still_ref
 
             spans = await granted("r1")
             writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]
-            await pages.landed(PagesLanded("r1", writes[:2] + [[3, 9, 0, bb, 0], "junk"]))  # outside / malformed: ignored
+            outside, junk = [3, 9, 0, bb, 0], "junk"  # ignored: HandoffDone's tiling check is theirs
+            await pages.landed(PagesLanded("r1", writes[:2] + [outside, junk]))
             assert set(decode.zone.landings["r1"].checks) == {tuple(w) for w in writes[:2]}
             await pages.landed(PagesLanded("r1", writes[:1]))  # told twice: checked once
             landing, timing = await pages.land(done("r1", writes))

@@ -227,21 +227,26 @@ def test_put_get_exact_bytes_and_exists(bufs):
     print(f"12 MiB put {1e3 * (t1 - t0):.1f} ms, get {1e3 * (t2 - t1):.1f} ms")
 
 
-def test_get_into_pieces_scatters_an_object_in_order(bufs):
-    a, b = _key("pieces-a"), _key("pieces-b")
-    size = 1 * MiB
-    assert bufs.put([a, b], size) == [0, 0]
+def _read_scattered(bufs, reader, a: str, b: str, size: int) -> None:
+    """Objects a and b (bufs.src's first two `size` bytes) read by `reader` into pieces of bufs.dst: a's
+    first 4 KiB at the end of dst's first MiB, its rest backwards in two pieces; b in one piece."""
     bufs.dst.zero_()
     d = bufs.dst.data_ptr()
-    # a: 4 KiB at the end of dst's first MiB, the rest backwards in two pieces; b: one piece
     pieces = [[d + size - 4096, d + 2 * size, d], [4096, size // 2, size // 2 - 4096]]
-    got = bufs.client.get_into_pieces([a, b], [pieces[0], [d + 3 * size]], [pieces[1], [size]])
-    assert got == [size, size]
+    assert reader.get_into_pieces([a, b], [pieces[0], [d + 3 * size]], [pieces[1], [size]]) == [size, size]
     src, dst = bufs.src, bufs.dst
     assert torch.equal(dst[size - 4096:size], src[:4096])
     assert torch.equal(dst[2 * size:2 * size + size // 2], src[4096:4096 + size // 2])
     assert torch.equal(dst[:size // 2 - 4096], src[4096 + size // 2:size])
     assert torch.equal(dst[3 * size:4 * size], src[size:2 * size])
+
+
+def test_get_into_pieces_scatters_an_object_in_order(bufs):
+    a, b = _key("pieces-a"), _key("pieces-b")
+    size = 1 * MiB
+    assert bufs.put([a, b], size) == [0, 0]
+    _read_scattered(bufs, bufs.client, a, b, size)
+    d = bufs.dst.data_ptr()
     # pieces too small for the object, or a missing key: a code, never data
     short = bufs.client.get_into_pieces([a, _key("missing")], [[d, d + 4096], [d]], [[4096, 4096], [size]])
     assert short[0] < 0 and short[1] == OBJECT_NOT_FOUND
@@ -257,16 +262,9 @@ def test_direct_reads_scatter_like_the_store_client(bufs, direct):
     assert bufs.put([a, b, c], size) == [0, 0, 0]
     assert all(w is not None and w[2] == size for w in bufs.client.replicas([a, b, c]))
     assert bufs.client.replicas([_key("missing")]) == [None]
-    bufs.dst.zero_()
-    d, before = bufs.dst.data_ptr(), dict(direct.counts)
-    pieces = [[d + size - 4096, d + 2 * size, d], [4096, size // 2, size // 2 - 4096]]
-    got = direct.get_into_pieces([a, b], [pieces[0], [d + 3 * size]], [pieces[1], [size]])
-    assert got == [size, size]
-    src, dst = bufs.src, bufs.dst
-    assert torch.equal(dst[size - 4096:size], src[:4096])
-    assert torch.equal(dst[2 * size:2 * size + size // 2], src[4096:4096 + size // 2])
-    assert torch.equal(dst[:size // 2 - 4096], src[4096 + size // 2:size])
-    assert torch.equal(dst[3 * size:4 * size], src[size:2 * size])
+    before = dict(direct.counts)
+    _read_scattered(bufs, direct, a, b, size)
+    d, src, dst = bufs.dst.data_ptr(), bufs.src, bufs.dst
     assert direct.get_into([c], [d + 5 * size], [size + 4096]) == [size]  # a larger buffer is fine
     assert torch.equal(dst[5 * size:6 * size], src[2 * size:3 * size])
     assert direct.counts["direct"] - before["direct"] == 3 and direct.counts["through_store"] == before["through_store"]

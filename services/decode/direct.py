@@ -12,8 +12,8 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   consecutive blocks; each write's bytes are checked against its CRC-32C in worker threads (shares of
   the writes in parallel), in place, before the engine adopts the blocks. A mismatch drops the
   landing and refuses: never wrong tokens.
-- `landed` (PagesLanded): some writes are complete while the rest are on the wire; each is checked at
-  once in a worker thread, and `land` awaits those checks instead of checking them again (a head start:
+- `landed` (PagesLanded): some writes are complete while the rest are on the wire; they are checked at
+  once on a thread of their own, and `land` awaits those checks instead of checking them again (a head start:
   the verify overlaps the rest of the write). A write listed there that does not lie within the granted
   blocks is ignored; HandoffDone's tiling check refuses it.
 - `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped.
@@ -119,7 +119,9 @@ class DirectPages:
         keys = []
         for w in msg.pages:
             key = tuple(w) if isinstance(w, (list, tuple)) else None
-            if key is not None and key not in landing.checks and key not in keys and self._write_error(landing, key) is None:
+            if key is None or key in landing.checks or key in keys:
+                continue
+            if self._write_error(landing, key) is None:
                 keys.append(key)
         if not keys:
             return

@@ -78,7 +78,7 @@ class Landing:
     dropped: bool = False  # cancelled or expired: the last scatter to finish frees the blocks
     writes_over: bool = True  # False while a direct handoff may still write into `blocks` (services/decode/direct.py)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
-    checks: dict = field(default_factory=dict)  # direct: write (tuple) -> (its check task, its index there), from PagesLanded
+    checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())

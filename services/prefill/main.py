@@ -295,7 +295,8 @@ class PrefillService:
                                  "mode": stats.mode, "early_grant": stats.early_grant, "gather_ms": stats.gather_ms,
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
                                  "crc_reused": stats.crc_reused, "verify_ms": stats.verify_ms,
-                                 "verified_early": stats.verified_early, "grant_ms": stats.grant_ms, "done_ms": stats.done_ms,
+                                 "verified_early": stats.verified_early, "grant_ms": stats.grant_ms,
+                                 "done_ms": stats.done_ms,
                                  "entry_bytes": stats.entry_bytes})
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes

@@ -12,7 +12,8 @@ chunk that fails ends the restore there: later tokens are computed.
 - Else (pages elsewhere): the objects are read whole into a registered buffer, then unpacked into the
   blocks by kernels' unpack_chunk_crc, which computes the checksum as it copies (one pass).
 Who reads: prefill's own Transfer Engine (`restore_direct_reads`, shared/pool_reads.py: the store client's
-reads busy-poll a core), or the store client. Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
+reads busy-poll a core), or the store client.
+Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
 registered buffers (headers, or whole objects) while the batch before is verified in one worker call.
 Either way a chunk's blocks are written before its verdict is known: a chunk that fails leaves them
 unregistered, and they go back to the free list with the rest of the restore's unused blocks. Only

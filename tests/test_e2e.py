@@ -214,8 +214,10 @@ def test_one_trace_spans_every_service(system):
     for name, service, parent in (("kv.write", "prefill", "kv.handoff"), ("decode.page_grant", "decode", "router.request")):
         [span] = [s for s in trace if s["name"] == name]
         assert by_id[span["parent_span_id"]]["name"] == parent and span["service"] == service
-    grant, compute = names["decode.page_grant"], names["prefill.compute"]
-    assert compute["start_ns"] <= grant["start_ns"] <= compute["end_ns"]
+    # asked after the prompt was first scheduled and before its last step ended: both ends of that are
+    # prefill's own clock (decode's span start is another process's, so no order is asserted on it)
+    [compute] = [s for s in trace if s["name"] == "prefill.compute"]  # one attempt
+    assert 0 < handoff["grant_lead_ms"] <= (compute["end_ns"] - compute["start_ns"]) / 1e6
     assert not {"kv.gather", "decode.scatter", "decode.slot_grant"} & set(names)
 
 

@@ -43,6 +43,7 @@ class Pending:
     assigned: asyncio.Event = field(default_factory=asyncio.Event)  # set once `decode` is known
     finishing: bool = False              # the engine runs (or ran) the step that completes its prompt
     grant: asyncio.Task | None = None    # decode's pages, asked for early (DirectSender.pre_grant)
+    grant_asked_ns: int = 0              # when (time.time_ns, the engine's clock): see kv.handoff grant_lead_ms
     since: float = field(default_factory=time.monotonic)  # when it was submitted (its router's Holdings)
 
     def __post_init__(self) -> None:
@@ -154,6 +155,7 @@ class PrefillService:
         if (self.direct is not None and p.decode and p.grant is None and not p.handoff_started
                 and p.seq is not None and p.seq.params.max_tokens > 1):  # else it ends here: no handoff
             p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx)
+            p.grant_asked_ns = time.time_ns() if p.grant is not None else 0
 
     def _end(self, rid: str) -> Pending | None:
         """Forget a request; an early grant its handoff never took goes back to its decode."""
@@ -296,8 +298,9 @@ class PrefillService:
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
                                  "crc_reused": stats.crc_reused, "verify_ms": stats.verify_ms,
                                  "verified_early": stats.verified_early, "grant_ms": stats.grant_ms,
-                                 "done_ms": stats.done_ms,
-                                 "entry_bytes": stats.entry_bytes})
+                                 "done_ms": stats.done_ms, "entry_bytes": stats.entry_bytes})
+            if stats.early_grant:  # > 0: asked that long before the prompt's last step ended (same clock)
+                span.set_attribute("grant_lead_ms", (seq.first_token_ns - p.grant_asked_ns) / 1e6)
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes
             self.handoff_totals["handoffs_done"] += 1

@@ -167,15 +167,6 @@ def write_result(result: dict, out: str | os.PathLike, t_start: float, plot_fn: 
 
 # --- helpers for bench/handoff.py ---------------------------------------------------------------
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (for the router of a launched system)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(xs: list[float], q: float) -> float:
     """Linear-interpolated q-th percentile (0..100) of a non-empty list, like numpy's default."""
     s = sorted(xs)

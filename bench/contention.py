@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench._util import free_port, machine_info, md_table, write_result
+from bench._util import machine_info, md_table, write_result
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
 from infra.up import Launcher, UpConfig
@@ -79,7 +79,7 @@ def cached_share(r: dict) -> float:
 def run_policy(policy: str, p: dict, tok) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix=f"bench-contention-{policy}-")
     launcher = Launcher(load_config(UpConfig, overrides=[
-        f"up.model={MODEL}", f"up.port={free_port()}", f"up.run_dir={tmp.name}", "up.ready_timeout_s=600",
+        f"up.model={MODEL}", "up.port=0", f"up.run_dir={tmp.name}", "up.ready_timeout_s=600",
         "router.router.request_timeout_s=3600", f"prefill.engine.schedule={policy}"]))
     system = "A coding agent. Answer briefly."
     history = text_of(tok, p["history"], seed=1)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench._util import free_port, machine_info, md_table, write_result
+from bench._util import machine_info, md_table, write_result
 from bench.faults_inject import FAULTS, Fault, FaultSize
 from bench.faults_load import OUTCOMES, LoadShape
 from bench.faults_run import FaultResult, Harness, Size, unclean
@@ -32,9 +32,9 @@ FULL = Size(LoadShape(clients=8, max_tokens=32), FaultSize(storm_streams=100, bu
             after_s=3.0)
 
 
-def system_overrides(run_dir: str, port: int) -> list[str]:
+def system_overrides(run_dir: str) -> list[str]:
     """The system every fault runs against (tiny model, pool on, 2 prefills, a small decode budget)."""
-    return ["up.model=tiny", f"up.port={port}", f"up.run_dir={run_dir}", "up.ready_timeout_s=300",
+    return ["up.model=tiny", "up.port=0", f"up.run_dir={run_dir}", "up.ready_timeout_s=300",
             "up.prefills=2", "up.pool=true", "up.stores=2", "up.store_bytes=67108864",
             # 512 blocks of 16: a budget of 0.9 x 8192 tokens, which the burst overruns
             "decode.engine.num_blocks=512", "prefill.engine.num_blocks=512",
@@ -47,7 +47,7 @@ def harness(run_dir: str, size: Size, extra: list[str] = (), reference: bool = T
     from shared.config import load_config
     from infra.up import UpConfig, launched
 
-    cfg = load_config(UpConfig, overrides=[*system_overrides(run_dir, free_port()), *extra], env={})
+    cfg = load_config(UpConfig, overrides=[*system_overrides(run_dir), *extra], env={})
     ref = Reference() if reference else None
     with launched(cfg) as (launcher, url):
         yield Harness(launcher, url, size, ref)
@@ -123,7 +123,7 @@ def run(faults: list[Fault], size: Size, run_dir: str, quick: bool, extra: list[
     result = {"machine": machine_info(), "params": {
         "quick": quick, "load": f"{size.load.clients} multi-turn clients (half streaming), greedy, "
                                 f"{size.load.max_tokens} tokens per turn",
-        "size": dataclasses.asdict(size), "system": [*system_overrides(run_dir, 0), *extra]},
+        "size": dataclasses.asdict(size), "system": [*system_overrides(run_dir), *extra]},
         "notes": ["in flight got: requests in flight at the fault (for a burst, its own); dropped = the "
                   "connection closed (only a killed router may do that)",
                   "first success: fault -> end of the first new request answered 200; process back: fault -> "

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench._util import free_port, machine_info, md_table, percentile, write_result
+from bench._util import machine_info, md_table, percentile, write_result
 from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
@@ -173,7 +173,7 @@ def run_system(model: str, mode: str, p: dict, overhead: bool) -> tuple[list[dic
     g = torch.Generator().manual_seed(SEED)  # the same prompts in every mode
     with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[
-            f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
+            f"up.model={model}", "up.port=0", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
             f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", MODE_SET[mode], *EXTRA])
         launcher = Launcher(cfg)
         try:

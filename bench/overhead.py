@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 import torch
 
-from bench._util import free_port, machine_info, md_table, percentile, write_result
+from bench._util import machine_info, md_table, percentile, write_result
 from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
@@ -278,7 +278,7 @@ def settle(pids: dict[str, int], quiet_ms_per_s: float = 50.0, window_s: float =
 def run(model: str, p: dict) -> dict:
     g = torch.Generator().manual_seed(SEED)
     with tempfile.TemporaryDirectory(prefix=f"bench-overhead-{model}-") as run_dir:
-        cfg = load_config(UpConfig, overrides=[f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={run_dir}",
+        cfg = load_config(UpConfig, overrides=[f"up.model={model}", "up.port=0", f"up.run_dir={run_dir}",
                                                "up.ready_timeout_s=600", *p.get("set", [])])
         launcher = Launcher(cfg)
         try:

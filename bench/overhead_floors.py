@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
-from bench._util import free_port, machine_info, md_table, write_result
+from bench._util import machine_info, md_table, write_result
+
+from shared.sockets import free_port
 
 SUBJECT = "floors.echo"
 BODY = {"model": "tiny", "prompt": list(range(1000, 1032)), "max_tokens": 1, "temperature": 0, "ignore_eos": True}

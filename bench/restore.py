@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench._util import LoadWatcher, free_port, machine_info, md_table, stream_completion, write_result
+from bench._util import LoadWatcher, machine_info, md_table, stream_completion, write_result
 from bench.handoff import wait_spans
 from shared.config import load_config
 from shared.engine.models import load_tokenizer, smollm2_gguf_path
@@ -81,7 +81,7 @@ class System:
         self.tag, self.model, self.http, self.watch = tag, model, None, None
         self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-restore-{tag}-")
         self.launcher = Launcher(load_config(UpConfig, overrides=[
-            f"up.model={model}", f"up.port={free_port()}", f"up.run_dir={self.tmp.name}", "up.ready_timeout_s=600",
+            f"up.model={model}", "up.port=0", f"up.run_dir={self.tmp.name}", "up.ready_timeout_s=600",
             "router.router.request_timeout_s=3600", *overrides, *System.extra]))
         self.traces = Path(self.tmp.name) / "traces.jsonl"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from bench._util import free_port, machine_info, write_result
+from bench._util import machine_info, write_result
 from bench.soak_model import Counts, Session, classify
 from bench.soak_report import plot, report
 from shared.hashing import chunk_hashes, namespace_seed
@@ -58,7 +58,7 @@ QUICK = SoakParams(cycles=240, sessions=6, cut_every=15, corrupt_every=20, max_p
 
 
 def system_overrides(p: SoakParams, nats_url: str, run_dir: str) -> list[str]:
-    return ["up.model=tiny", f"up.port={free_port()}", f"up.nats_url={nats_url}", f"up.run_dir={run_dir}",
+    return ["up.model=tiny", "up.port=0", f"up.nats_url={nats_url}", f"up.run_dir={run_dir}",
             "up.pool=true", "up.stores=2", f"up.store_bytes={p.store_bytes}", "up.ready_timeout_s=180",
             f"prefill.engine.num_blocks={p.device_blocks}", f"prefill.engine.chunk_tokens={p.chunk_tokens}",
             "decode.engine.num_blocks=1024", "master.master.client_ttl_s=2", "router.router.instance_timeout_s=5"]

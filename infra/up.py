@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from shared.engine.kv_sizing import format_bytes, host_available_bytes, parse_me
 from shared.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
 from shared.procs import ProcId, die_with_parent
 from shared.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
+from shared.sockets import free_port, listen, url_of
 from shared.supervise import RestartPolicy, Supervisor
 from shared.tomlgen import to_toml
 
@@ -54,7 +56,7 @@ NATS_CHILD = "nats-server"  # the embedded bus, supervised like the services
 class UpSettings:
     model: str = "smollm2-135m"       # served by prefill and decode, tokenized by the router
     host: str = "127.0.0.1"           # router bind address (loopback unless you mean it)
-    port: int = 8000                  # router port
+    port: int = 8000                  # router port (0: any free one; the URL is printed). Bound by moorage up itself and handed to the router
     nats_url: str = ""                # empty: start an embedded nats-server on a free loopback port
     run_dir: str = ".moorage"         # configs, logs, traces, state for `moorage status`
     ready_timeout_s: float = 300.0    # give up if /health is not 200 by then
@@ -140,14 +142,6 @@ class UpConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _replace(obj, **sections):
     """dataclasses.replace on nested sections: _replace(cfg, bus={"url": u}) -> a copy with bus.url = u."""
     return dataclasses.replace(obj, **{k: dataclasses.replace(getattr(obj, k), **v) for k, v in sections.items()})
@@ -158,10 +152,11 @@ def _sized_by_up(engine) -> bool:
 
 
 def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
-         credential: NatsCredential | None = None) -> list[tuple[str, str, object]]:
+         credential: NatsCredential | None = None, router_fd: int = -1) -> list[tuple[str, str, object]]:
     """(instance, service module, config) in start order; stop order is the reverse. Engines whose KV is
     left to "auto" get their part of `kv` (the host's split; measured now when not given). Every service
-    gets `credential` (the embedded bus's) as its bus user/password."""
+    gets `credential` (the embedded bus's) as its bus user/password; the router serves on `router_fd`
+    (the launcher's listening socket) when it is given."""
     up = cfg.up
     if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
         kv = split_kv(up, host_available_bytes())
@@ -184,7 +179,7 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
     pools: list[str] = []  # master address per pool
     if up.pool:
         for m in range(up.groups if up.pool_mode == "split" else 1):
-            port = _free_port()  # never collide with another pool on this host
+            port = free_port()  # never collide with another pool on this host
             pools.append(f"{cfg.master.master.host}:{port}")
             add(f"master-{m}", "master", cfg.master, master={"rpc_port": port})
         for g in range(up.groups):
@@ -199,7 +194,8 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
             pool = {"enabled": True, "master_addr": pools[g % len(pools)]} if up.pool else {"enabled": False}
             add(f"prefill-{g * up.prefills + i}", "prefill", cfg.prefill,
                 engine=engine(cfg.prefill, kv and kv.prefill_bytes), pool=pool)
-    add(cfg.router.instance, "router", cfg.router, router={"model": up.model, "host": up.host, "port": up.port})
+    add(cfg.router.instance, "router", cfg.router,
+        router={"model": up.model, "host": up.host, "port": up.port, "listen_fd": router_fd})
     return out
 
 
@@ -218,6 +214,7 @@ class Launcher:
         self.kv: KVSplit | None = None
         self.nats_address = ""
         self.router_url = ""
+        self.router_sock: socket.socket | None = None  # bound here, served by the router (router.listen_fd)
         self.trace_ui = None  # shared.trace_ui.Phoenix when up.trace_ui is set
         self.started = time.time()
         self._owns_run_dir = False  # set once clean_stale found no other live launcher there
@@ -259,12 +256,12 @@ class Launcher:
         self.supervisor.add(NATS_CHILD, self.nats.spawn)
         return self.nats.wait_port()
 
-    def _spawner(self, service: str, path: Path):
+    def _spawner(self, service: str, path: Path, pass_fds: tuple[int, ...] = ()):
         def spawn() -> subprocess.Popen:
             with open(self.run_dir / f"{path.stem}.log", "ab") as log:
                 return subprocess.Popen([sys.executable, "-m", CLI_MODULE, "serve", service, "--config", str(path)],
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        preexec_fn=die_with_parent())
+                                        pass_fds=pass_fds, preexec_fn=die_with_parent())
         return spawn
 
     def start(self) -> str:
@@ -272,7 +269,9 @@ class Launcher:
         for line in clean_stale(self.run_dir):
             self._say(line)
         self._owns_run_dir = True
-        self.router_url = f"http://{self.cfg.up.host}:{self.cfg.up.port}"
+        self.router_sock = listen(self.cfg.up.host, self.cfg.up.port, "router", backlog=2048)
+        self.router_url = url_of(self.router_sock)
+        router_fd = self.router_sock.fileno()
         self.nats_address = self.cfg.up.nats_url or self._start_nats()
         if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
             self.kv = split_kv(self.cfg.up, host_available_bytes())
@@ -280,11 +279,12 @@ class Launcher:
             from shared.trace_ui import export_to, start_trace_ui
             self.trace_ui = start_trace_ui(self.cfg.up.trace_ui, self.run_dir, self._say)
             self.cfg = export_to(self.cfg, self.trace_ui.url, self.run_dir / "traces.jsonl")
-        for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential):
+        for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential,
+                                              router_fd=router_fd):
             self.configs[instance] = config
             path = self.run_dir / f"{instance}.toml"
             write_private(path, to_toml(config))  # may hold the bus credential: 0600
-            self.supervisor.add(instance, self._spawner(service, path))
+            self.supervisor.add(instance, self._spawner(service, path, (router_fd,) if service == "router" else ()))
         return self.router_url
 
     def dead(self) -> list[str]:
@@ -304,7 +304,7 @@ class Launcher:
         while time.monotonic() < deadline:
             if self.supervisor.failed:
                 raise RuntimeError(f"{', '.join(self.supervisor.failed)} exited during start-up; see "
-                                   f"{self.run_dir}/*.log")
+                                   f"{self.run_dir}/*.log" + "".join(map(self._last_words, self.supervisor.failed)))
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     health = json.loads(r.read())
@@ -319,12 +319,25 @@ class Launcher:
         raise TimeoutError(f"not ready after {self.cfg.up.ready_timeout_s:.0f} s (not reported ready: "
                            f"{', '.join(sorted(missing)) or '-'}); see {self.run_dir}/*.log")
 
+    def _last_words(self, instance: str, lines: int = 15) -> str:
+        """How `instance` ended and the last lines of its log, for an error that names it."""
+        child = self.supervisor.children.get(instance)
+        try:
+            with open(self.run_dir / f"{instance}.log", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+                tail = f.read().decode(errors="replace").splitlines()[-lines:]
+        except OSError as e:
+            tail = [f"(no log: {e.strerror})"]
+        return f"\n--- {instance} ({child.last_exit if child else '?'}), last lines of its log:\n" + "\n".join(tail)
+
     def stop(self, timeout: float = 15.0) -> None:
         self.supervisor.stop(timeout)
         if self.trace_ui is not None:  # after the services: their last spans are flushed to it
             self.trace_ui.stop()
         if self.nats is not None:
             self.nats.stop()
+        if self.router_sock is not None:
+            self.router_sock.close()
         if self._owns_run_dir:  # never another launcher's (one that refused to start next to it)
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
             (self.run_dir / CREDENTIAL_FILE).unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from shared.config import ConfigError
 from shared.messages import LoadReport
+from shared.sockets import listen
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 COMMON = {"capacity_tokens": "moorage_kv_capacity_tokens", "free_tokens": "moorage_kv_free_tokens",
@@ -104,21 +105,6 @@ class EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-def listen(host: str, port: int, what: str, backlog: int = 256) -> socket.socket:
-    """Bind here, so a port in use is a clear error and port 0 works (the chosen port is then logged)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"{what} cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(backlog)
-    sock.setblocking(False)
-    return sock
 
 
 class OpsEndpoint:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.sockets import free_port
 from shared.tracing import PROJECT  # the Phoenix project every service's spans go to
 
 TRACE_UIS = ("", "phoenix")  # "" = none
 PHOENIX_SPEC = "arize-phoenix>=12,<30"
 DEFAULT_VENV = Path(__file__).resolve().parents[1] / ".venv-phoenix"
 MARKER = ".moorage-phoenix"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def venv_ready(venv: Path = DEFAULT_VENV) -> bool:
@@ -100,8 +94,8 @@ def start_phoenix(workdir: Path, host: str = "127.0.0.1", port: int = 0, ready_t
     """Starts Phoenix (database and log in `workdir`) and returns once /healthz answers 200."""
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    port = port or _free_port(host)
-    grpc = _free_port(host)
+    port = port or free_port(host)
+    grpc = free_port(host)
     env = {**os.environ, "PHOENIX_HOST": host, "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(grpc),
            "PHOENIX_WORKING_DIR": str(workdir), "PHOENIX_TELEMETRY_ENABLED": "false"}
     out = open(workdir / "phoenix.log", "ab")

@@ -40,14 +40,6 @@ def nats_url() -> Iterator[str]:
         server.stop()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def latest_reports(nats: str, seconds: float = 1.3,
                          enough: Callable[[dict], bool] = lambda seen: True) -> dict:
     """The latest LoadReport of every instance heard within at least `seconds`, waiting up to 20 s more

@@ -21,7 +21,8 @@ from bench.agentic import sweep as sw
 from bench.agentic.prompt import prompt_text
 from bench.agentic.synth import SynthParams, synthesize
 from bench.agentic.trace import TraceRequest, TraceSession, TraceSubagent, ceiling
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import nats_url
+from shared.sockets import free_port
 
 BS = 4  # trace block size of the hand-made sessions
 

@@ -20,7 +20,7 @@ from shared.engine.sampling import SamplingParams
 from shared.messages import Ack, HandoffDone, PrefillSubmit
 from shared.natsd import NatsServer, start_nats_server
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import nats_url
 
 MILLION = 1_000_000
 SAMPLING = {"max_tokens": 8, "temperature": 0.0}
@@ -118,7 +118,7 @@ def system(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("bigprompt")
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.ready_timeout_s=120", "up.pool=false", f"router.router.max_request_tokens={CONTEXT}",
         ])
         with launched(cfg) as (_launcher, base):

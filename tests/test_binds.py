@@ -9,12 +9,13 @@ printed (run with -s) and kept as listeners.txt in the run directory."""
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import pytest
 
 from shared.config import load_config
 from shared.listeners import comm, descendants, listeners
 from infra.up import NATS_CHILD, UpConfig, launched
-from tests.natsbus import free_port
 
 MOONCAKE_USERS = ("store", "prefill", "decode")  # processes that run a Mooncake Transfer Engine
 MOONCAKE_PORTS = range(15000, 17001)             # its default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT
@@ -24,7 +25,7 @@ MOONCAKE_PORTS = range(15000, 17001)             # its default MC_MIN_RPC_PORT..
 def sockets(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("binds")
     cfg = load_config(UpConfig, overrides=[
-        "up.model=tiny", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=180",
+        "up.model=tiny", "up.port=0", f"up.run_dir={run_dir}", "up.ready_timeout_s=180",
         "up.kv_memory=256MiB", "up.store_bytes=67108864"], env={})
     with launched(cfg) as (launcher, _):
         procs = dict(launcher.supervisor.pids())
@@ -47,7 +48,7 @@ def test_everything_we_bind_is_loopback(sockets):
     assert {role(s.name) for s in ours} >= {NATS_CHILD.rsplit("-", 1)[0], "router", "master"}
     assert [str(s) for s in ours if not s.loopback] == []
     router = [s for s in ours if role(s.name) == "router"]
-    assert any(s.port == launcher.cfg.up.port and s.address == "127.0.0.1" for s in router)
+    assert any(s.port == urlsplit(launcher.router_url).port and s.address == "127.0.0.1" for s in router)
     nats = [s for s in ours if s.name == NATS_CHILD]
     assert [s.address for s in nats] == ["127.0.0.1"]
     master = [s for s in ours if s.name.endswith("/mooncake_master")]

@@ -22,7 +22,7 @@ import yaml
 
 from tests.compose_native import ComposeError, compose_model, native_plan
 from tests.compose_runner import ComposeRun
-from tests.natsbus import free_port
+from shared.sockets import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose"

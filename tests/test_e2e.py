@@ -22,7 +22,8 @@ from shared.engine.sampling import SamplingParams
 from shared.messages import LoadReport
 from shared.tracing import read_spans
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, latest_reports, nats_url
+from tests.natsbus import latest_reports, nats_url
+from shared.sockets import free_port
 
 QUESTION = "List three things a code reviewer checks in a pull request, and why each matters."
 
@@ -32,7 +33,7 @@ def system(tmp_path_factory, tiny):
     run_dir = tmp_path_factory.mktemp("up")
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "decode.engine.num_blocks=96",          # 1536 tokens: the gate's budget is 1382
             "gate.gate.admission_wait_s=1", "up.ready_timeout_s=120",
         ])  # the default handoff: prefill writes straight into decode's pages

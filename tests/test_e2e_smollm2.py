@@ -13,7 +13,7 @@ from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import nats_url
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def base_url(tmp_path_factory):
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={tmp_path_factory.mktemp('up')}",
+            "up.port=0", f"up.nats_url={url}", f"up.run_dir={tmp_path_factory.mktemp('up')}",
             "prefill.engine.num_blocks=256", "decode.engine.num_blocks=256"])
         with launched(cfg) as (_, base):
             yield base

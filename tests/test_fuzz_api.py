@@ -27,7 +27,7 @@ from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, latest_reports, nats_url
+from tests.natsbus import latest_reports, nats_url
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 PER_MODE = {GenerationMode.POSITIVE: 300, GenerationMode.NEGATIVE: 220}  # per endpoint: 1,040 in all
@@ -43,7 +43,7 @@ def system(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fuzz")
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.ready_timeout_s=120", "up.pool=false", f"router.router.max_request_tokens={MAX_REQUEST_TOKENS}",
             "router.router.default_max_tokens=8",
         ])

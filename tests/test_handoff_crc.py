@@ -262,13 +262,13 @@ def system(tmp_path_factory, tiny):
 
     from shared.config import load_config
     from infra.up import UpConfig, launched
-    from tests.natsbus import free_port, nats_url
+    from tests.natsbus import nats_url
 
     run_dir = tmp_path_factory.mktemp("crc")
     with nats_url() as url, pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAULT_ENV, str(CORRUPTED))  # the services inherit it; only decode reads it
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.pool=false", "up.ready_timeout_s=120", "decode.engine.num_blocks=256",
             # a restarted decode would start corrupting anew
             *(["up.restart=no"] if "restart" in {f.name for f in dataclasses.fields(UpConfig().up)} else []),

@@ -20,7 +20,6 @@ from shared.messages import Cancel
 from shared.natsd import CREDENTIAL_FILE, MAX_PAYLOAD_BYTES, NatsCredential, start_nats_server
 from shared.procs import cmdline
 from infra.up import Launcher, UpConfig
-from tests.natsbus import free_port
 
 
 def mode(path) -> int:
@@ -128,7 +127,7 @@ def test_clients_reconnect_resubscribe_and_wait_for_a_restarting_server(server):
 def test_up_makes_a_credential_per_run_and_gives_it_to_every_service(tmp_path):
     """`moorage up`'s files, without waiting for the services (they are stopped right after the spawn)."""
     run_dir = tmp_path / "run"
-    cfg = load_config(UpConfig, overrides=["up.model=tiny", f"up.port={free_port()}", f"up.run_dir={run_dir}",
+    cfg = load_config(UpConfig, overrides=["up.model=tiny", "up.port=0", f"up.run_dir={run_dir}",
                                            "up.pool=false", "up.kv_memory=256MiB"], env={})
     launcher = Launcher(cfg, say=lambda line: None)
     try:

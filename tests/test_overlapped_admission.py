@@ -223,12 +223,12 @@ MAX_OUTPUT = 16
 def system(tmp_path_factory, tiny):
     from infra.up import UpConfig, launched
     from shared.config import load_config
-    from tests.natsbus import free_port, nats_url
+    from tests.natsbus import nats_url
 
     run_dir = tmp_path_factory.mktemp("overlap")
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.pool=false", "up.ready_timeout_s=120", "decode.engine.num_blocks=512", "prefill.engine.num_blocks=256",
             f"gate.gate.max_output_tokens={MAX_OUTPUT}"])
         with launched(cfg) as (launcher, base):

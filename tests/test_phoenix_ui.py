@@ -23,7 +23,7 @@ from shared.config import load_config
 from shared.phoenix_api import PhoenixClient
 from shared.tracing import PROJECT
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import nats_url
 from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def requests_in(client: PhoenixClient, rids: set[str], timeout: float = 60.0) ->
 
 def test_phoenix_shows_one_trace_per_request_across_services(tmp_path):
     with nats_url() as url:
-        cfg = load_config(UpConfig, overrides=[*SYSTEM, f"up.port={free_port()}", f"up.nats_url={url}",
+        cfg = load_config(UpConfig, overrides=[*SYSTEM, "up.port=0", f"up.nats_url={url}",
                                                f"up.run_dir={tmp_path}", "up.trace_ui=phoenix"])
         with launched(cfg) as (launcher, base):
             phoenix = launcher.trace_ui

@@ -24,7 +24,7 @@ from shared.pool import (INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, 
                          PoolError)
 from shared.pool_reads import DirectReads
 from shared.transfer import KVTransport, TransferError
-from tests.natsbus import free_port
+from shared.sockets import free_port
 
 pytest.importorskip("mooncake.store")
 

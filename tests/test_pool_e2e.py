@@ -23,7 +23,7 @@ from shared.messages import LoadReport
 from shared.pool import PoolClient, PoolConfig
 from shared.tracing import read_spans
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, latest_reports, nats_url
+from tests.natsbus import latest_reports, nats_url
 
 MAX_TOKENS = 12
 
@@ -32,7 +32,7 @@ MAX_TOKENS = 12
 def system(tmp_path_factory):
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", "up.prefills=2",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", "up.prefills=2",
             f"up.run_dir={tmp_path_factory.mktemp('pool')}", "up.store_bytes=67108864", "up.ready_timeout_s=120",
             "prefill.engine.num_blocks=80",   # 1280 tokens of device KV: a second session evicts the first
             "prefill.engine.stages=2", "prefill.pool.min_restore_tokens=256",

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import ByteTokenizer
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, TokenChunk
 from shared.natsd import start_nats_server
+from shared.sockets import free_port
 from shared.tracing import read_spans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,12 +196,6 @@ class FakeCluster:
         return next((name, m, h) for name, m, h in self.submits if m.request_id == rid)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_router(url: str, prefix: str, port: int, log, traces: Path, *extra: str) -> subprocess.Popen:
     sets = [*extra, f"bus.url={url}", f"bus.prefix={prefix}", f"router.port={port}", "router.model=tiny",
             "tracing.exporter=jsonl", f"tracing.path={traces}", f"router.api_keys={KEY}",
@@ -237,7 +231,7 @@ def cluster():
         prefix = "t" + uuid.uuid4().hex[:10]  # a shared NATS_URL server never mixes test runs
         fake = FakeCluster(url, prefix).start()
         stack.callback(fake.stop)
-        port, log_path, traces = _free_port(), tmp / "router.log", tmp / "spans.jsonl"
+        port, log_path, traces = free_port(), tmp / "router.log", tmp / "spans.jsonl"
         log = stack.enter_context(open(log_path, "wb"))
         proc = _start_router(url, prefix, port, log, traces)
         stack.callback(_stop, proc)
@@ -665,7 +659,7 @@ def test_metrics(cluster, client, http, fake):
 
 # ---- shutdown --------------------------------------------------------------------------------------------
 def test_sigterm_ends_open_streams_with_cancel_and_release_then_exits_0(cluster, fake):
-    port, log_path = _free_port(), cluster["tmp"] / "router2.log"
+    port, log_path = free_port(), cluster["tmp"] / "router2.log"
     with open(log_path, "wb") as log:
         proc = _start_router(cluster["url"], cluster["prefix"], port, log, cluster["tmp"] / "spans2.jsonl",
                              "router.graceful_shutdown_s=0.3", "instance=router-1")
@@ -758,7 +752,7 @@ SMALL_BUS = 16384  # bytes: a prompt of more than ~3K token ids does not fit
 
 @pytest.fixture(scope="module")
 def tenant_router(cluster):
-    port, log_path = _free_port(), cluster["tmp"] / "router-tenants.log"
+    port, log_path = free_port(), cluster["tmp"] / "router-tenants.log"
     with open(log_path, "wb") as log:
         proc = _start_router(cluster["url"], cluster["prefix"], port, log, cluster["tmp"] / "spans-tenants.jsonl",
                              "instance=router-tenants", "router.metrics_require_key=true",

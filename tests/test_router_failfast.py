@@ -306,12 +306,12 @@ BOUND_S = 8.0  # the issue's 5 s, with room for a loaded box; the measured times
 def system(tmp_path_factory, tiny):
     from shared.config import load_config
     from infra.up import UpConfig, launched
-    from tests.natsbus import free_port, nats_url
+    from tests.natsbus import nats_url
 
     run_dir = tmp_path_factory.mktemp("failfast")
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.pool=false", "up.prefills=2", "up.ready_timeout_s=120",
             "decode.engine.num_blocks=1024", "prefill.engine.num_blocks=512",
             "router.router.routing=p2c",

@@ -164,7 +164,7 @@ def test_router_index_follows_forced_evictions_store_loss_and_master_restart(nat
     from shared.bus import Bus, BusConfig
     from shared.messages import KVEventBatch
     from shared.pool import PoolClient, PoolConfig
-    from tests.natsbus import free_port
+    from shared.sockets import free_port
 
     rpc = free_port()
     master = start(tmp_path, "master-0", "master", nats_url, f"master.rpc_port={rpc}", "master.events_interval_s=0.3",

@@ -25,7 +25,8 @@ from shared.procs import ProcId, wait_gone
 from shared.runstate import clean_stale, read_state, write_state
 from shared.supervise import RestartPolicy, Supervisor, describe_exit
 from infra.up import NATS_CHILD, UpConfig, launched
-from tests.natsbus import free_port, latest_reports
+from shared.sockets import free_port, listen
+from tests.natsbus import latest_reports
 
 FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, reset_after_s=60)
 
@@ -162,6 +163,35 @@ def test_a_second_up_on_a_running_run_dir_refuses_and_leaves_its_files(tmp_path)
     assert read_state(run)["nats_url"] == "nats://127.0.0.1:1" and (run / "nats-credential.json").exists()
 
 
+def test_a_router_port_in_use_fails_the_start_before_anything_runs(tmp_path):
+    from infra.up import Launcher
+
+    with listen("127.0.0.1", 0, "squatter") as taken:
+        port = taken.getsockname()[1]
+        launcher = Launcher(load_config(UpConfig, overrides=[f"up.run_dir={tmp_path / 'run'}", "up.model=tiny",
+                                                             f"up.port={port}"], env={}), say=lambda line: None)
+        try:
+            with pytest.raises(OSError, match=f"router cannot listen on 127.0.0.1:{port}"):
+                launcher.start()
+            assert launcher.supervisor.children == {} and launcher.nats is None
+        finally:
+            launcher.stop()
+
+
+def test_a_service_that_dies_starting_is_named_with_the_end_of_its_log(tmp_path):
+    """The router cannot open its ops port (taken): the start fails at once, and the error carries why."""
+    with listen("127.0.0.1", 0, "squatter") as taken:
+        port = taken.getsockname()[1]
+        cfg = load_config(UpConfig, overrides=[
+            "up.model=tiny", "up.port=0", f"up.run_dir={tmp_path / 'run'}", "up.pool=false",
+            "up.kv_memory=256MiB", f"router.http.port={port}"], env={})
+        with pytest.raises(RuntimeError) as failed, launched(cfg):
+            pass
+    message = str(failed.value)
+    assert "router-0 exited during start-up" in message and "--- router-0 (exit code" in message
+    assert f"cannot listen on 127.0.0.1:{port}" in message, message
+
+
 # --- the real system --------------------------------------------------------------------------------
 
 def complete(base: str, timeout: float = 5.0) -> bool:
@@ -186,7 +216,7 @@ def first_success(base: str, since: float, within: float) -> float | None:
 def system(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("heal")
     cfg = load_config(UpConfig, overrides=[
-        "up.model=tiny", f"up.port={free_port()}", f"up.run_dir={run_dir}", "up.ready_timeout_s=180",
+        "up.model=tiny", "up.port=0", f"up.run_dir={run_dir}", "up.ready_timeout_s=180",
         "up.kv_memory=256MiB", "up.store_bytes=67108864", "gate.gate.admission_wait_s=2"], env={})
     events = Events()
     with launched(cfg) as (launcher, base):

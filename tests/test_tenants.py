@@ -21,7 +21,7 @@ from shared.kv_object import object_key
 from shared.kv_tenant import KVNamespace, tenant_namespace
 from shared.messages import LoadReport
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, latest_reports, nats_url
+from tests.natsbus import latest_reports, nats_url
 
 NS = "mrg1-0123456789abcdef"
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -103,7 +103,7 @@ def system(tmp_path_factory, tiny):
     with nats_url() as url:
         keys = ", ".join(f'"{k}": "{t}"' for k, t in KEYS.items())
         cfg = load_config(UpConfig, overrides=[
-            "up.model=tiny", f"up.port={free_port()}", f"up.nats_url={url}", f"up.run_dir={run_dir}",
+            "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={run_dir}",
             "up.ready_timeout_s=120",
             f"router.router.api_keys={SHARED_KEY}", f"router.router.api_key_tenants={{{keys}}}",
         ])

@@ -18,7 +18,7 @@ from shared.tracecli import parse_since
 from shared.tracequery import breakdown, find_request, read_jsonl, request_traces
 from shared.traceview import waterfall
 from infra.up import UpConfig, launched
-from tests.natsbus import free_port, nats_url
+from tests.natsbus import nats_url
 from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def wait_trace(path: Path, request_id: str, names: set[str], timeout: float = 30
 
 def test_a_real_system_traces_one_tree_per_request_and_the_cli_reads_it(tmp_path):
     with nats_url() as url:
-        cfg = load_config(UpConfig, overrides=[*SYSTEM, f"up.port={free_port()}", f"up.nats_url={url}",
+        cfg = load_config(UpConfig, overrides=[*SYSTEM, "up.port=0", f"up.nats_url={url}",
                                                f"up.run_dir={tmp_path}"])
         with launched(cfg) as (launcher, base):
             rids = restored_turn(base)

@@ -69,3 +69,11 @@ def test_restart_settings_are_validated():
     for bad in ("up.restart=always", "up.restart_backoff_s=0", "up.restart_backoff_max_s=0.1"):
         with pytest.raises(ConfigError, match="restart"):
             load_config(UpConfig, overrides=[bad], env={})
+
+
+def test_the_router_serves_the_launchers_socket_when_given_one():
+    cfg = load_config(UpConfig, overrides=["up.port=0"], env={})
+    given = {i: c for i, _, c in plan(cfg, "nats://127.0.0.1:1", Path("/tmp/x"), router_fd=7)}
+    assert given["router-0"].router.listen_fd == 7 and given["router-0"].router.port == 0
+    alone = {i: c for i, _, c in plan(cfg, "nats://127.0.0.1:1", Path("/tmp/x"))}
+    assert alone["router-0"].router.listen_fd == -1  # compose / systemd: the router binds host:port itself

@@ -10,7 +10,6 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 
-from bench._util import free_port
 from bench.agentic.trace import iter_requests
 
 
@@ -65,7 +64,7 @@ def running_system(overrides: Sequence[str], run_dir: str | os.PathLike,
     from shared.config import load_config
     from infra.up import UpConfig, launched
 
-    cfg = load_config(UpConfig, overrides=[f"up.port={free_port()}", f"up.run_dir={run_dir}",
+    cfg = load_config(UpConfig, overrides=["up.port=0", f"up.run_dir={run_dir}",
                                            f"up.ready_timeout_s={ready_timeout_s}", *overrides])
     with launched(cfg) as (_, url):
         yield url

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import ctypes
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -28,6 +27,7 @@ from services.master.config import MasterSettings
 from services.master.store_events import StoreEventPublisher
 from shared.messages import KVEventBatch, LoadReport
 from shared.service import ServiceContext
+from shared.sockets import free_port
 
 # LoadReport.detail key -> the master's Prometheus metric
 METRICS = {
@@ -55,12 +55,6 @@ def master_binary(configured: str = "") -> str:
     if not path.exists():
         raise FileNotFoundError(f"mooncake_master not found in {path.parent}: install the mooncake extra")
     return str(path)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

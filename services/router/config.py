@@ -17,6 +17,7 @@ ROUTING_POLICIES = ("cache-aware", "sticky", "p2c")  # routing.POLICIES
 class RouterSettings:
     host: str = "127.0.0.1"           # bind address: loopback unless you mean it (then set api_keys)
     port: int = 8000                   # HTTP port
+    listen_fd: int = -1                # >= 0: serve on this listening socket, inherited from the parent (moorage up binds host:port itself and hands it down); -1: bind host:port here
     model: str = "smollm2-135m"        # tokenizer + context length; what /v1/models lists
     served_model_name: str = ""        # the name clients send; "" = model
     api_keys: list[str] = field(default_factory=list)  # non-empty: require `Authorization: Bearer <key>`

@@ -17,8 +17,9 @@ from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
 from shared.engine.models import load_tokenizer
 from shared.messages import Holdings, KVEventBatch, LoadReport
-from shared.ops_http import EmbeddedServer, listen
+from shared.ops_http import EmbeddedServer
 from shared.service import ServiceContext
+from shared.sockets import inherited, listen, url_of
 
 
 async def build_state(config: RouterConfig, bus) -> RouterState:
@@ -68,8 +69,8 @@ async def serve(ctx: ServiceContext) -> None:
 
         await ctx.bus.subscribe(ctx.bus.subjects.kv_events("*"), KVEventBatch, on_kv_events, on_error=on_bad_batch)
 
-    sock = listen(s.host, s.port, "router", backlog=2048)
-    url = f"http://{s.host}:{sock.getsockname()[1]}"
+    sock = inherited(s.listen_fd, "router") if s.listen_fd >= 0 else listen(s.host, s.port, "router", backlog=2048)
+    url = url_of(sock)
 
     def load_report() -> LoadReport:
         return LoadReport(ctx.instance, "router", True, running=state.metrics.in_flight_count(),

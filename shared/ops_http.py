@@ -10,6 +10,7 @@ one gauge with an `of` label (`moorage_prefill_pool{of="restored_bytes"}`). A se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import socket
@@ -26,7 +27,7 @@ from starlette.routing import Route
 
 from shared.config import ConfigError
 from shared.messages import LoadReport
-from shared.sockets import listen
+from shared.sockets import listen, url_of
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 COMMON = {"capacity_tokens": "moorage_kv_capacity_tokens", "free_tokens": "moorage_kv_free_tokens",
@@ -100,11 +101,31 @@ class LoadReportCollector:
 
 class EmbeddedServer(uvicorn.Server):
     """uvicorn inside a service's own event loop, without its own signal handling: the service runtime owns
-    SIGTERM / SIGINT."""
+    SIGTERM / SIGINT. `serving()` waits until it accepts connections (or raises why it never will)."""
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = asyncio.Event()  # set once started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.ready.set()
+
+    async def serving(self, task: asyncio.Task) -> None:
+        """Until `task` (this server's serve()) has started serving; its error if it ended before."""
+        started = asyncio.ensure_future(self.ready.wait())
+        try:
+            await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if not self.started:
+            task.result()  # re-raises why it could not start
+            raise RuntimeError("the HTTP server stopped during startup")
 
 
 class OpsEndpoint:
@@ -135,21 +156,16 @@ class OpsEndpoint:
 
     async def start(self, settings: HttpSettings) -> str:
         """Listen (port 0: any free one) and serve in the background; returns the URL ("" when off)."""
-        import asyncio
-
         if settings.port < 0:
             return ""
         self._sock = listen(settings.host, settings.port, f"{self.role} http")
-        host, port = self._sock.getsockname()[:2]
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        self.url = url_of(self._sock)
         self._server = EmbeddedServer(uvicorn.Config(self.app(), log_config=None, access_log=False, lifespan="off",
                                               timeout_keep_alive=30))
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name=f"{self.role}-http")
         return self.url
 
     async def stop(self) -> None:
-        import asyncio
-
         if self._server is None:
             return
         self._server.should_exit = True

@@ -37,14 +37,14 @@ async def test_the_response_goes_out_before_the_request_is_finished(scripted):
         await connected.wait()
 
     async def send(message):  # what the router had accounted for when each message left
-        sent.append((message["type"], state.metrics.in_flight_count(), _requests_total(state, "200")))
+        sent.append((message["type"], state.metrics.open_requests.count, _requests_total(state, "200")))
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "headers": [(b"content-type", b"application/json")], "query_string": b"", "root_path": "", "scheme": "http", "server": ("router", 80), "http_version": "1.1"}
     await app(scope, receive, send)
     assert [t for t, _, _ in sent] == ["http.response.start", "http.response.body"]
     assert all(in_flight == 1 and done == 0 for _, in_flight, done in sent)  # not finished while sending
-    assert state.metrics.in_flight_count() == 0 and _requests_total(state, "200") == 1  # finished after
+    assert state.metrics.open_requests.count == 0 and _requests_total(state, "200") == 1  # finished after
 
 
 async def test_every_other_method_and_path_is_the_fastapi_apps_with_openai_errors(scripted):
@@ -74,4 +74,4 @@ async def test_errors_are_finished_too_and_counted_once(scripted):
         r = await c.post("/v1/completions", json={**BODY, "model": "no-such-model"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert _requests_total(state, "404") == 1
-    assert state.metrics.in_flight_count() == 0
+    assert state.metrics.open_requests.count == 0

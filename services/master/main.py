@@ -172,10 +172,9 @@ class Master:
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if proc.poll() is None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
+        except asyncio.TimeoutError:
             proc.kill()
             await asyncio.to_thread(proc.wait)
         self.log.info("mooncake_master stopped", returncode=proc.returncode)

@@ -127,7 +127,7 @@ class Generation:
             self.span.add_event("prepared")
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
                                       "stream": bool(body.stream)})
-            self.state.metrics.in_flight.inc()
+            self.state.metrics.open_requests.opened()
             shaper = Shaper(self.chat, self.request_id, body.model, body.include_usage)
             return await self._attempts(job, body, shaper)
         except OpenAIError as e:
@@ -308,7 +308,7 @@ class Generation:
                 await self.dispatch.close(reason)
         finally:
             if self.dispatch is not None:
-                m.in_flight.dec()
+                m.open_requests.closed()
             m.requests.labels(self.endpoint, str(status)).inc()
             attrs = {"status": status, "finish": reason, "completion_tokens": self.completion_tokens}
             if usage is not None:

@@ -73,7 +73,7 @@ async def serve(ctx: ServiceContext) -> None:
     url = url_of(sock)
 
     def load_report() -> LoadReport:
-        return LoadReport(ctx.instance, "router", True, running=state.metrics.in_flight_count(),
+        return LoadReport(ctx.instance, "router", True, running=state.metrics.open_requests.count,
                           detail={"http": url, "boot": state.boot})
 
     ctx.load_report = load_report
@@ -81,23 +81,19 @@ async def serve(ctx: ServiceContext) -> None:
         create_app(state), log_config=None, access_log=False, lifespan="off", proxy_headers=False,
         timeout_graceful_shutdown=s.graceful_shutdown_s + 3, timeout_keep_alive=30))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if task.done():
+    try:
+        await server.serving(task)
+    except BaseException:
         sock.close()
-        task.result()  # re-raises why it could not start
-        raise RuntimeError("the HTTP server stopped during startup")
+        raise
     log.info("http listening", url=url, model=s.model_name, tenants=len(set(s.api_key_tenants.values())),
              max_context=state.context_limit, routing=s.routing, auth=bool(s.key_tenants))
 
     async def stop_http() -> None:
         """Stop accepting; give open requests graceful_shutdown_s; then end the rest with a 503 (an SSE
         error event mid-stream) so each still sends Cancel / Release while the bus is up."""
-        loop = asyncio.get_running_loop()
         server.should_exit = True
-        deadline = loop.time() + s.graceful_shutdown_s
-        while state.metrics.in_flight_count() > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        await state.metrics.open_requests.drained(s.graceful_shutdown_s)
         for dispatch in list(state.live):
             dispatch.abort(OpenAIError(503, "the router is shutting down", code="service_unavailable"))
         try:
@@ -106,11 +102,8 @@ async def serve(ctx: ServiceContext) -> None:
             server.force_exit = True
             task.cancel()
         sock.close()
-        deadline = loop.time() + 3.0  # requests uvicorn cancelled finish in the background
-        while state.metrics.in_flight_count() > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        if state.metrics.in_flight_count() > 0:
-            log.warning("requests still open at shutdown", in_flight=state.metrics.in_flight_count())
+        if not await state.metrics.open_requests.drained(3.0):  # requests uvicorn cancelled end in the background
+            log.warning("requests still open at shutdown", in_flight=state.metrics.open_requests.count)
 
     ctx.on_stop.append(stop_http)
     holdings = asyncio.create_task(publish_holdings(ctx, state), name="router-holdings")

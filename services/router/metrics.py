@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -9,6 +11,34 @@ _PREFIX_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 CLIENT_CLOSED = 499  # nginx's status for "client went away before the answer": used as a label only
+
+
+class OpenRequests:
+    """The requests being served now: the in-flight gauge, and a wait until none is left (shutdown)."""
+
+    def __init__(self, gauge: Gauge):
+        self.gauge, self.count = gauge, 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    def opened(self) -> None:
+        self.count += 1
+        self.gauge.inc()
+        self._none.clear()
+
+    def closed(self) -> None:
+        self.count -= 1
+        self.gauge.dec()
+        if self.count == 0:
+            self._none.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Until no request is open (True), or `timeout` seconds (False)."""
+        try:
+            await asyncio.wait_for(self._none.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 class RouterMetrics:
@@ -36,7 +66,8 @@ class RouterMetrics:
         self.overlapped = Counter("moorage_router_overlapped_admissions",
                                   "Requests submitted to prefill while the gate decided, by the gate's answer "
                                   "(refused: prefill work that was cancelled)", ["outcome"], registry=r)
-        self.in_flight = Gauge("moorage_router_in_flight_requests", "Requests being served now", registry=r)
+        self.open_requests = OpenRequests(Gauge("moorage_router_in_flight_requests", "Requests being served now",
+                                                registry=r))
         self.retries = Counter("moorage_router_retries", "Requests retried on other instances after one failed "
                                "or went away, by the failed instance's role", ["role"], registry=r)
         self.routed = Counter("moorage_router_routed", "Prefill choices by what decided them", ["reason"],
@@ -81,9 +112,6 @@ class RouterMetrics:
         """Read the KV index's sizes at scrape time."""
         self.kv_index_blocks.set_function(lambda: index.total_blocks)
         self.kv_store_chunks.set_function(lambda: index.store_chunks)
-
-    def in_flight_count(self) -> int:
-        return int(next(iter(self.in_flight.collect())).samples[0].value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

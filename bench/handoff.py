@@ -39,9 +39,11 @@ import httpx
 import torch
 
 from bench._util import machine_info, md_table, percentile, write_result
+from bench.handoff_floor import FloorTE
 from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
+from shared.messages import HandoffDone
 from shared.tracing import read_spans
 from shared.transfer import DEFAULT_MAX_BATCH as MAX_BATCH
 from shared.transfer import DEFAULT_SLOT_BYTES, KVTransport, plan_writes
@@ -125,22 +127,32 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
             window = DEFAULT_SLOT_BYTES  # the handoff's windows: exactly one slot each, the last one shorter
             pieces = [length for _, length in plan_writes(nbytes, window)]
             assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
-        raw, raw_s, reps = RawTE(pieces), [], []
-        try:  # raw writes interleaved with the handoff repeats: both see the same machine load
+        done = HandoffDone(rid, ids, [], "", {"max_tokens": 2}, {"device": n},
+                           pages=[[0, 1, 0, length, 0] for length in pieces])  # the request's size on the bus
+        raw, floor, raw_s, floor_s, reps = RawTE(pieces), FloorTE(pieces, launcher.nats.url, done), [], [], []
+        try:  # raw and floor writes interleaved with the handoff repeats: all see the same machine load
             for _ in range(p["repeats"]):
-                raw_s += [raw.write() for _ in range(p["raw_per_repeat"])]
+                for _ in range(p["raw_per_repeat"]):
+                    raw_s.append(raw.write())
+                    floor_s.append(floor.write())
                 reps.append(complete(client, model, ids))
         finally:
             raw.close()
+            floor.close()
         med_raw = statistics.median(raw_s)
         raw = {"bytes": nbytes, "pieces": len(pieces), "repeats": len(raw_s), "times_ms": [t * 1e3 for t in raw_s],
                "median_ms": med_raw * 1e3, "GBps": nbytes / med_raw / 1e9, "best_GBps": nbytes / min(raw_s) / 1e9}
-        runs.append((n, rid, warm_s, reps, raw, window))
+        med_floor = statistics.median(t for _, t in floor_s)
+        floor = {"repeats": len(floor_s), "write_ms": [w * 1e3 for w, _ in floor_s],
+                 "times_ms": [t * 1e3 for _, t in floor_s], "done_bytes": len(done.encode()),
+                 "median_write_ms": statistics.median(w for w, _ in floor_s) * 1e3, "median_ms": med_floor * 1e3,
+                 "GBps": nbytes / med_floor / 1e9}
+        runs.append((n, rid, warm_s, reps, raw, floor, window))
     rids = {r[1] for r in runs} | {x[0] for r in runs for x in r[3]}
     spans_by = wait_spans(traces, TRACE_NAMES, rids)
     hand, comp = spans_by["kv.handoff"], spans_by["prefill.compute"]
     cases = []
-    for n, warm_rid, warm_s, reps, raw, window in runs:
+    for n, warm_rid, warm_s, reps, raw, floor, window in runs:
         spans = [hand[rid]["attributes"] | {"duration_ms": hand[rid]["duration_ms"]} for rid, _ in reps]
         med = {k: statistics.median(s.get(k, 0.0) for s in spans) for k in
                ("duration_ms", "gather_ms", "write_ms", "scatter_ms", "crc_ms", "verify_ms", "grant_ms", "done_ms")}
@@ -154,6 +166,8 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
                 "median_other_ms": med["duration_ms"] - med["gather_ms"] - med["write_ms"] - med["scatter_ms"],
                 "handoff_GBps": gbps, "write_GBps": wgbps, "raw_te": raw, "raw_GBps": raw["GBps"],
                 "ratio_handoff_vs_raw": gbps / raw["GBps"], "ratio_write_vs_raw": wgbps / raw["GBps"],
+                "floor": floor, "floor_GBps": floor["GBps"], "ratio_floor_vs_raw": floor["GBps"] / raw["GBps"],
+                "ratio_handoff_vs_floor": gbps / floor["GBps"],
                 "spans": spans, "repeat_request_ms": [s * 1e3 for _, s in reps],
                 "trace_median_ms": {k: statistics.median(spans_by[k][rid]["duration_ms"] for rid, _ in reps)
                                     for k in TRACE_NAMES},
@@ -161,7 +175,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
                 "warm_request_s": warm_s, "warm_handoff_ms": hand[warm_rid]["duration_ms"],
                 "warm_prefill_compute_ms": comp[warm_rid]["duration_ms"]}
         log(f"{model} {n} tok, {mode}: handoff {case['median_duration_ms']:.1f} ms = {gbps:.2f} GB/s "
-            f"(write-only {wgbps:.2f}), raw TE {raw['GBps']:.2f} GB/s")
+            f"(write-only {wgbps:.2f}), raw TE {raw['GBps']:.2f} GB/s, floor {floor['GBps']:.2f} GB/s")
         cases.append(case)
     return cases
 
@@ -203,13 +217,13 @@ def report(r: dict) -> str:
             f"{m['calibration_matmul_GFLOPs_at_start']:.1f} / end {m['calibration_matmul_GFLOPs_at_end']:.1f} GFLOP/s; "
             f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
     t1 = md_table(["model", "prompt tok", "mode", "MB", "writes", "expected", "spans", "rounds", "handoff ms", "gather ms",
-                   "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "handoff/raw",
-                   "write/raw"],
+                   "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "floor GB/s",
+                   "handoff/raw", "write/raw", "floor/raw", "handoff/floor"],
                   [[c["model"], c["prompt_tokens"], c.get("mode", "slots"), c["MB"], c["writes"], c["writes_expected"],
                     c.get("entries", c["writes"]), c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
-                    c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["ratio_handoff_vs_raw"],
-                    c["ratio_write_vs_raw"]] for c in r["handoff"]])
+                    c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["floor_GBps"], c["ratio_handoff_vs_raw"],
+                    c["ratio_write_vs_raw"], c["ratio_floor_vs_raw"], c["ratio_handoff_vs_floor"]] for c in r["handoff"]])
     t2 = md_table(["model", "prompt tok", "client ms", *(f"{n} ms" for n in TRACE_NAMES)],
                   [[c["model"], c["prompt_tokens"], statistics.median(c["repeat_request_ms"]),
                     *(c["trace_median_ms"][n] for n in TRACE_NAMES)] for c in r["handoff"]])
@@ -233,10 +247,11 @@ def plot(r: dict, path: str) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(18, 6), gridspec_kw={"width_ratios": [1.7, 1]})
     fig.suptitle(f"moorage KV handoff ({'quick' if r['params']['quick'] else 'full'}) - {r['machine']['date']}, "
                  f"{r['machine']['cpu_count']} CPUs, tcp loopback, 8 MiB slots", fontsize=11)
-    cs, w = r["handoff"], 0.27
+    cs, w = r["handoff"], 0.21
     for j, (key, label) in enumerate((("handoff_GBps", "handoff (whole span)"), ("write_GBps", "handoff write only"),
+                                      ("floor_GBps", "floor: write to another process + one bus round trip"),
                                       ("raw_GBps", "raw TE batch write, same bytes"))):
-        bars = ax.bar([i + (j - 1) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
+        bars = ax.bar([i + (j - 1.5) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_xticks(range(len(cs)), [f"{c['model'].split('-')[0]} {c['prompt_tokens']}\n{c.get('mode', 'slots')}\n"
                                    f"{c['MB']:.0f} MB, {c['writes']} writes"
@@ -288,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": {"quick": args.quick, "seed": SEED, "slot_bytes": DEFAULT_SLOT_BYTES, "engine_num_blocks": BLOCKS,
                    "transfer": "Mooncake TE, tcp, 127.0.0.1", "max_tokens_handoff": 2, "set": EXTRA, **p},
         "units": {"*_ms": "milliseconds", "*_s": "seconds", "bytes": "bytes", "MB": "1e6 bytes",
-                  "*GBps": "1e9 bytes/second", "ratio_*": "GBps / raw_GBps"},
+                  "*GBps": "1e9 bytes/second", "ratio_a_vs_b": "a GBps / b GBps"},
         "notes": [
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
             "mode direct (the default): prefill's blocks are written straight into decode's pages, as spans of "
@@ -313,6 +328,11 @@ def main(argv: list[str] | None = None) -> None:
             "the full size, two engines in the bench process; raw_per_repeat writes before each handoff repeat; "
             "write() is the handoff's own (shared/transfer.py: each piece submitted on its own, its status checked "
             "between short naps, not Mooncake's busy-polling sync call)",
+            "floor (bench/handoff_floor.py): the same pieces written with the same write() into a child process's "
+            "registered buffer, then the request's real HandoffDone sent over the system's nats-server and the "
+            "child's Ack awaited; no checksum, no engine, no tracing: what any push handoff between two processes "
+            "pays here; interleaved with raw (one floor write after each raw write); floor_GBps = bytes / (write "
+            "+ round trip)",
             "overhead: (a) and (b) interleaved, order alternating, after warm-up; distinct random 32-token prompts",
         ],
         "handoff": handoff, "overhead": overhead,

@@ -272,6 +272,24 @@ async def test_save_waits_for_an_idle_engine_then_puts_once(saving):
     assert conn.counters["save_went_idle"] == 1
 
 
+async def test_save_waits_for_the_handoff_in_flight_then_goes_idle(saving):
+    """An idle engine is not enough: the request's own handoff is still moving its KV to decode."""
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool, save_max_delay_s=60)
+    handoffs = {"req"}
+    conn.saver.handing_off = lambda: bool(handoffs)
+    blocks = await loop.call(lambda: hold(conn))
+    task = asyncio.create_task(conn.save("w", prompt, blocks, None))
+    await loop.call_now(lambda: None)  # engine state changed, the handoff still runs: the save keeps waiting
+    await asyncio.sleep(0.3)
+    assert not engine.has_unfinished() and not task.done() and pool.puts == []
+    handoffs.clear()
+    await loop.call_now(lambda: None)  # the handoff's release of its blocks, as prefill does it
+    await asyncio.wait_for(task, 10)
+    assert len(pool.puts) == 1 and conn.counters["save_went_idle"] == 1
+
+
 async def test_save_goes_beside_compute_when_it_pins_too_much(saving):
     engine, loop, connector, prompt, hold = saving
     pool = MemoryPool()

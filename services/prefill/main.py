@@ -157,6 +157,11 @@ class PrefillService:
             p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx)
             p.grant_asked_ns = time.time_ns() if p.grant is not None else 0
 
+    def handing_off(self) -> bool:
+        """Whether a request's KV is on its way to a decode (it leaves `pending` before the handoff's release
+        of its blocks pulses the engine loop, so a save waiting on that pulse sees it gone)."""
+        return any(p.handoff is not None for p in self.pending.values())
+
     def _end(self, rid: str) -> Pending | None:
         """Forget a request; an early grant its handoff never took goes back to its decode."""
         p = self.pending.pop(rid, None)
@@ -372,6 +377,7 @@ async def serve(ctx: ServiceContext) -> None:
         same_fabric = cfg.transfer.protocol == cfg.pool.protocol  # the stores are reached the transport's way
         svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved,
                                  copy_threads=cfg.transfer.copy_threads, transport=transport if same_fabric else None)
+        svc.pool.saver.handing_off = svc.handing_off
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()
     events.start()

@@ -6,7 +6,9 @@ throughput (bench/zero_hit.py: packing, checksums, master round trips and transf
 compute); saves with no compute to compete with cost nothing measurable. A save is no less sure for the
 wait: its blocks stay pinned on the device (`hold_for_save`) and stay in the device prefix cache, so the
 session's next turn on this prefill hits them either way. A waiting save goes at once when
-- the engine is idle (nothing running or waiting);
+- the engine is idle (nothing running or waiting) and no handoff is moving KV to a decode (`handing_off`:
+  a cold turn's save would otherwise pack and put its chunks beside its own handoff's write, on the
+  path to the first token);
 - something waits for blocks: the engine is stalled, or a restore waits for free blocks;
 - waiting saves pin more than `save_max_held_fraction` of the device blocks;
 - it waited `save_max_delay_s` (traffic that never lets up still gets saved, beside compute).
@@ -61,6 +63,7 @@ class PoolSaver:
         self.lock = asyncio.Lock()  # FIFO: one save at a time, in the order they were queued
         self.held_blocks = 0        # blocks pinned by saves that have not ended
         self.block_waiters = 0      # restores waiting for free blocks (a deferred save then goes)
+        self.handing_off = lambda: False  # the prefill's: whether a handoff is in flight (its end pulses the loop)
         self._paced_until = 0.0
 
     def hold(self, prompt: list[int], block_table: list[int]) -> list[int]:
@@ -76,7 +79,7 @@ class PoolSaver:
         e = self.engine
         if not self.settings.save_when_idle:
             return "eager"
-        if not e.has_unfinished():
+        if not e.has_unfinished() and not self.handing_off():
             return "idle"
         if e.stalled or self.block_waiters > 0:
             return "blocks_wanted"

@@ -1,7 +1,7 @@
 """KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
 router as processes, started with infra.up.Launcher; one system per model, default 8 MiB slots).
 
-Run from the repository root (full run: ~9 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
+Run from the repository root (full run: ~6 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
 prefill, once per mode; --quick: tiny, 2K, direct only, R=1, N=10, ~30 s):
 
     .venv/bin/python -m bench.handoff --out bench/results/handoff.json
@@ -17,7 +17,10 @@ after the other, with the same prompts, so both are measured against the same ra
    rounds, gather/write/scatter ms and its duration (the whole handoff). handoff GB/s = bytes / duration,
    write GB/s = bytes / write_ms. Baseline: a raw Transfer Engine write of the same bytes, in the same
    pieces, in one `write` call, between two KVTransports in this process; its writes are interleaved with
-   the handoff repeats (median of 2 per repeat) so both see the same machine load.
+   the handoff repeats (median of 2 per repeat) so both see the same machine load. Second baseline, the
+   floor (bench/handoff_floor.py): the same write into a child process, then the request's HandoffDone on
+   the system's bus and its Ack; what any push handoff between two processes pays here, with nothing of
+   moorage's. handoff/floor is moorage's own cost; floor/raw the machine's.
 2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
    /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
    the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating. The code
@@ -53,7 +56,7 @@ SEED = 20240601
 SMOL = "smollm2-135m"
 BLOCKS = 1024  # per engine: 16384 tokens, so a cached 2K and an 8K prompt fit on prefill (gate: 90% of decode's)
 TRACE_NAMES = ("router.request", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate")
-FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=3, raw_per_repeat=2, overhead_n=50,
+FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=8, raw_per_repeat=2, overhead_n=50,
             overhead_warm=5, modes=["direct", "slots"])
 QUICK = dict(models=["tiny"], prompts=[2048], repeats=1, raw_per_repeat=3, overhead_n=10,
              overhead_warm=3, modes=["direct"])

@@ -21,7 +21,7 @@ class PoolSettings(PoolConfig):
     restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
     save: bool = True                      # save each new full prompt chunk after prefill (async)
     save_batch_chunks: int = 8             # chunks per batched put (one put per request up to this; sizes the registered save buffer)
-    save_when_idle: bool = True            # defer saves until the engine is idle (or blocks are short, or save_max_delay_s passed): saving never slows compute
+    save_when_idle: bool = True            # defer saves until the engine is idle and no handoff is in flight (or blocks are short, or save_max_delay_s passed): saving never slows compute or a handoff
     save_max_delay_s: float = 10.0         # a deferred save waits at most this long for idle, then runs beside compute
     save_max_held_fraction: float = 0.25   # saves waiting for idle may pin at most this fraction of the device blocks; beyond it they run at once
     save_max_mbps: float = 0.0             # pace saves to at most this many MB/s to the pool (0: unlimited)

@@ -18,8 +18,8 @@ after the other, with the same prompts, so both are measured against the same ra
    write GB/s = bytes / write_ms. Baseline: a raw Transfer Engine write of the same bytes, in the same
    pieces, in one `write` call, between two KVTransports in this process; its writes are interleaved with
    the handoff repeats (median of 2 per repeat) so both see the same machine load. Second baseline, the
-   floor (bench/handoff_floor.py): the same write into a child process, then the request's HandoffDone on
-   the system's bus and its Ack; what any push handoff between two processes pays here, with nothing of
+   floor (bench/handoff_floor.py): the same write into a child process, then a HandoffDone of the request's
+   shape on the system's bus and its Ack; what any push handoff between two processes pays here, with nothing of
    moorage's. handoff/floor is moorage's own cost; floor/raw the machine's.
 2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
    /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
             "write() is the handoff's own (shared/transfer.py: each piece submitted on its own, its status checked "
             "between short naps, not Mooncake's busy-polling sync call)",
             "floor (bench/handoff_floor.py): the same pieces written with the same write() into a child process's "
-            "registered buffer, then the request's real HandoffDone sent over the system's nats-server and the "
+            "registered buffer, then a HandoffDone of the request's shape (its prompt ids, a page entry per piece) "
+            "sent over the system's nats-server and the "
             "child's Ack awaited; no checksum, no engine, no tracing: what any push handoff between two processes "
             "pays here; interleaved with raw (one floor write after each raw write); floor_GBps = bytes / (write "
             "+ round trip)",

@@ -9,8 +9,9 @@ prefill learns that only from its own Transfer Engine. `FloorTE` times exactly t
   Transfer Engine, prints its endpoint and address, and answers each HandoffDone on SUBJECT with an Ack
   (the real messages, decoded and encoded; no checksum, no engine, no tracing); it exits when its stdin
   closes;
-- the bench process writes the pieces into it with the handoff's own `KVTransport.write`, then sends the
-  request's real HandoffDone over the system's nats-server and waits for the Ack.
+- the bench process writes the pieces into it with the handoff's own `KVTransport.write`, then sends a
+  HandoffDone of the request's shape (its prompt ids, one page entry per piece) over the system's
+  nats-server and waits for the Ack.
 
 The raw baseline (two engines in one process, no message) is the transfer engine's limit; this one adds
 only what any push handoff between two processes pays on this box. A handoff far above the floor spends

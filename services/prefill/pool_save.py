@@ -8,7 +8,7 @@ wait: its blocks stay pinned on the device (`hold_for_save`) and stay in the dev
 session's next turn on this prefill hits them either way. A waiting save goes at once when
 - the engine is idle (nothing running or waiting) and no handoff is moving KV to a decode (`handing_off`:
   a cold turn's save would otherwise pack and put its chunks beside its own handoff's write, on the
-  path to the first token);
+  path to decode's first token);
 - something waits for blocks: the engine is stalled, or a restore waits for free blocks;
 - waiting saves pin more than `save_max_held_fraction` of the device blocks;
 - it waited `save_max_delay_s` (traffic that never lets up still gets saved, beside compute).

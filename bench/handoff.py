@@ -1,15 +1,17 @@
 """KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
 router as processes, started with infra.up.Launcher; one system per model, default 8 MiB slots).
 
-Run from the repository root (full run: ~6 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
+Run from the repository root (full run: ~8 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
 prefill, once per mode; --quick: tiny, 2K, direct only, R=1, N=10, ~30 s):
 
     .venv/bin/python -m bench.handoff --out bench/results/handoff.json
     .venv/bin/python -m bench.handoff --quick --out bench/results/handoff-quick.json
 
-Handoff modes: `direct` (the default: prefill's blocks straight into decode's pages) and `slots` (the
+Handoff modes: `direct` (the default: prefill's blocks straight into decode's pages, every write verified
+by decode at HandoffDone over tcp), `direct-early` (the same with transfer.early_verify=on: decode verifies
+the writes prefill reports landed while the rest are on the wire, the default over rdma) and `slots` (the
 staged path: gather, landing slots, scatter); a full run starts one system per model and mode, one
-after the other, with the same prompts, so both are measured against the same raw baseline in one run.
+after the other, with the same prompts, so all are measured against the same raw baseline in one run.
 
 1. Handoff: each prompt (random token ids, seeded) goes through the router once to warm (computes the
    prefill) and then R more times (the prefix cache makes prefill nearly free; the handoff still moves
@@ -57,10 +59,12 @@ SMOL = "smollm2-135m"
 BLOCKS = 1024  # per engine: 16384 tokens, so a cached 2K and an 8K prompt fit on prefill (gate: 90% of decode's)
 TRACE_NAMES = ("router.request", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate")
 FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=8, raw_per_repeat=2, overhead_n=50,
-            overhead_warm=5, modes=["direct", "slots"])
+            overhead_warm=5, modes=["direct", "direct-early", "slots"])
 QUICK = dict(models=["tiny"], prompts=[2048], repeats=1, raw_per_repeat=3, overhead_n=10,
              overhead_warm=3, modes=["direct"])
-MODE_SET = {"direct": "prefill.transfer.direct=true", "slots": "prefill.transfer.direct=false"}
+MODE_SET = {"direct": ("prefill.transfer.direct=true",),
+            "direct-early": ("prefill.transfer.direct=true", "prefill.transfer.early_verify=on"),
+            "slots": ("prefill.transfer.direct=false",)}
 
 
 def log(msg: str) -> None:
@@ -191,7 +195,7 @@ def run_system(model: str, mode: str, p: dict, overhead: bool) -> tuple[list[dic
     with tempfile.TemporaryDirectory(prefix=f"bench-handoff-{model}-") as run_dir:
         cfg = load_config(UpConfig, overrides=[
             f"up.model={model}", "up.port=0", f"up.run_dir={run_dir}", "up.ready_timeout_s=600",
-            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", MODE_SET[mode], *EXTRA])
+            f"prefill.engine.num_blocks={BLOCKS}", f"decode.engine.num_blocks={BLOCKS}", *MODE_SET[mode], *EXTRA])
         launcher = Launcher(cfg)
         try:
             base = launcher.start()
@@ -199,7 +203,7 @@ def run_system(model: str, mode: str, p: dict, overhead: bool) -> tuple[list[dic
             log(f"{model}: system ready at {base}")
             vocab = load_tokenizer(model)[0].vocab_size
             with httpx.Client(base_url=base, timeout=1200) as client:
-                cases = bench_handoff(client, launcher, model, vocab, p, g)
+                cases = [c | {"bench_mode": mode} for c in bench_handoff(client, launcher, model, vocab, p, g)]
             over = asyncio.run(bench_overhead(base, launcher.nats.url, model, vocab, p, g)) if overhead else None
             if over is not None:
                 over["breakdown"] = breakdown(over, launcher.run_dir / "traces.jsonl")
@@ -222,7 +226,7 @@ def report(r: dict) -> str:
     t1 = md_table(["model", "prompt tok", "mode", "MB", "writes", "expected", "spans", "rounds", "handoff ms", "gather ms",
                    "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "floor GB/s",
                    "handoff/raw", "write/raw", "floor/raw", "handoff/floor"],
-                  [[c["model"], c["prompt_tokens"], c.get("mode", "slots"), c["MB"], c["writes"], c["writes_expected"],
+                  [[c["model"], c["prompt_tokens"], c.get("bench_mode", c.get("mode", "slots")), c["MB"], c["writes"], c["writes_expected"],
                     c.get("entries", c["writes"]), c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
                     c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["floor_GBps"], c["ratio_handoff_vs_raw"],
@@ -256,7 +260,7 @@ def plot(r: dict, path: str) -> None:
                                       ("raw_GBps", "raw TE batch write, same bytes"))):
         bars = ax.bar([i + (j - 1.5) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks(range(len(cs)), [f"{c['model'].split('-')[0]} {c['prompt_tokens']}\n{c.get('mode', 'slots')}\n"
+    ax.set_xticks(range(len(cs)), [f"{c['model'].split('-')[0]} {c['prompt_tokens']}\n{c.get('bench_mode', 'direct')}\n"
                                    f"{c['MB']:.0f} MB, {c['writes']} writes"
                                    for c in cs], fontsize=8)
     ax.set_ylabel("GB/s (1e9 B / median time)")
@@ -282,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny only, 2K only, R=1, N=10 (< 2 minutes)")
     ap.add_argument("--out", default=None, help="JSON result, PNG beside it (default runs/handoff-<time>/handoff.json, "
                                                 "gitignored; pass bench/results/handoff.json to update the committed one)")
-    ap.add_argument("--modes", default=None, help="handoff modes to run, comma-separated: direct,slots "
-                                                  "(default: both in a full run, direct in --quick)")
+    ap.add_argument("--modes", default=None, help="handoff modes to run, comma-separated: direct,direct-early,slots "
+                                                  "(default: all in a full run, direct in --quick)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override for the systems (repeatable), e.g. prefill.transfer.copy_threads=1")
     args = ap.parse_args(argv)
@@ -313,13 +317,15 @@ def main(argv: list[str] | None = None) -> None:
             "blocks consecutive on both sides cut every 4 MiB, in one Transfer Engine call (writes = "
             "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), reading only blocks "
             "without a kept CRC register (crc_reused in the spans: full blocks keep theirs until allocated again, "
-            "and the repeats are prefix-cached, so they read only their partly filled last block); decode verifies in "
-            "place the spans prefill reports landed while the write runs (PagesLanded: verified_early in the "
-            "spans), the others in parallel threads after HandoffDone (verify_ms: its wait for both), and acks "
+            "and the repeats are prefix-cached, so they read only their partly filled last block); over tcp decode "
+            "verifies every span in place after HandoffDone, in parallel threads (verify_ms), and acks "
             "before its engine adopts the request; no gather, "
             "no scatter; bytes are whole blocks (the last one's unused tail included). Decode's pages are "
             "asked for as the prompt's last step starts (early_grant): grant_ms is what is left of that round "
             "trip when the handoff begins",
+            "mode direct-early (--set prefill.transfer.early_verify=on, the default over rdma): as direct, but decode "
+            "verifies the spans prefill reports landed while the rest of the write runs (PagesLanded: verified_early "
+            "in the spans) and awaits those checks after HandoffDone (verify_ms: its wait for them and the others)",
             "mode slots (--set prefill.transfer.direct=false): windows of exactly one slot (8 MiB) of the rank "
             "buffer, cut at byte offsets: writes = ceil(bytes / slot_bytes) (writes_expected); decode joins "
             "tokens cut by a window edge",

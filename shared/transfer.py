@@ -64,10 +64,18 @@ class TransferConfig:
     tcp_progress_timeout_s: int = 10    # a stuck peer fails a write after this (process-wide)
     direct: bool = True                 # handoffs write KV straight into decode's pages when both block layouts match (no gather, no scatter); false, or a decode that cannot: through landing slots
     copy_threads: int = 0               # threads of a KV copy that overlaps a transfer: a handoff's gather (prefill) or scatter (decode), a restore's unpack (prefill); 0 = torch's
+    early_verify: str = "auto"          # prefill, direct handoff: tell decode which writes have landed while the rest are on the wire, so it verifies them meanwhile (PagesLanded): "on", "off", or "auto" = on unless protocol is tcp (there the CPUs copy the bytes, and a verify beside them slows the write more than it saves: bench/handoff.py)
 
     def __post_init__(self) -> None:
         if self.copy_threads < 0:
             raise ConfigError(f"transfer.copy_threads must be >= 0, got {self.copy_threads}")
+        if self.early_verify not in ("auto", "on", "off"):
+            raise ConfigError(f"transfer.early_verify must be auto, on or off, got {self.early_verify!r}")
+
+    @property
+    def verify_while_writing(self) -> bool:
+        """Whether a direct handoff tells decode of its landed writes during the write (`early_verify`)."""
+        return self.early_verify == "on" or (self.early_verify == "auto" and self.protocol != "tcp")
 
     def make_transport(self) -> "KVTransport":
         set_tcp_progress_timeout(self.tcp_progress_timeout_s)

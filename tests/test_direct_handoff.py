@@ -23,8 +23,10 @@ import ctypes
 import pytest
 import torch
 
+import services.prefill.direct as direct_module
 from services.decode.direct import DirectPages, Refused, _shares
 from services.prefill.handoff import HandoffFailed
+from shared.config import ConfigError
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import checksum
@@ -38,6 +40,15 @@ NUM_BLOCKS = 32
 
 
 # ---------------------------------------------------------------- pure
+
+
+def test_early_verify_is_on_by_default_only_where_the_cpus_do_not_copy_the_bytes():
+    assert not TransferConfig().verify_while_writing  # tcp: a verify beside the write slows it (bench/handoff.py)
+    assert TransferConfig(protocol="rdma").verify_while_writing
+    assert TransferConfig(early_verify="on").verify_while_writing
+    assert not TransferConfig(protocol="rdma", early_verify="off").verify_while_writing
+    with pytest.raises(ConfigError, match="early_verify"):
+        TransferConfig(early_verify="yes")
 
 
 def test_runs_and_their_addresses():
@@ -157,17 +168,22 @@ async def test_direct_handoff_lands_exactly_what_prefill_computed(tiny, stages):
             assert again.crc_reused == (n_blocks - 1) * stages  # all but the partly filled last block
 
 
-async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch):
+@pytest.mark.parametrize("early_verify", ["off", "on"])
+async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch, early_verify):
+    """Whether decode checks writes as prefill reports them landed (early_verify=on) or all at HandoffDone
+    (off: the default over tcp), a byte changed after prefill computed its CRC fails the request."""
     from tests.natsbus import nats_url
 
     prompt, params, want, p_engine, d_engine = _setup(tiny, "def checksum(data):\n    crc = 0\n" * 3, 8)
+    monkeypatch.setattr(direct_module, "CHECK_BYTES", p_engine.layout.block_bytes)  # a write per block: several
     with nats_url() as url:
-        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20, early_verify=early_verify)) as h:
             rogue, flip = KVTransport(), torch.zeros(1, dtype=torch.uint8)
             rogue.register(flip)
-            real_write, corrupted = h.p_te.write, []
+            real_write, corrupted, told = h.p_te.write, [], []
 
             def write_then_corrupt(peer, src, dst, lens, on_landed=None):
+                told.append(on_landed is not None)  # prefill hears of each landed write only to tell decode
                 def corrupt(i: int) -> None:  # piece i landed: one byte of it goes bad before decode checks it
                     if not corrupted:
                         k = lens[i] // 2
@@ -188,6 +204,7 @@ async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks
                     await _generated(h, h.p_bus, p_engine, "bad", prompt, params)
                 report = h.decode.load_report().detail
                 assert corrupted and report["handoff_crc_failures"] == 1 and report["landing"] == 0
+                assert told == [early_verify == "on"]
                 assert not h.decode.active and report["quarantined"] == 0
                 assert await h.decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
                 got, stats = await _generated(h, h.p_bus, p_engine, "good", prompt, params)

@@ -12,8 +12,11 @@ blocks are moved as they are:
    restarts its idle clock). A request that ends without `send` gives an early grant back (`release`).
 2. One batched Transfer Engine write of every run (shared/page_writes.py: usually one or a few spans,
    cut every 4 MiB); meanwhile a second thread computes the CRC-32C of each write (read-only, in place).
-   Writes the engine reports complete while others are still on the wire go to decode in PagesLanded
-   (with their CRCs, once the CRC thread has them), so decode verifies them beside the rest of the write.
+   With transfer.early_verify (on by default except over tcp), writes the engine reports complete while
+   others are still on the wire go to decode in PagesLanded (with their CRCs, once the CRC thread has
+   them), so decode verifies them beside the rest of the write. Over tcp the CPUs copy the bytes: a verify
+   beside them slowed the write by 20-40% at 34-377 MB (bench/handoff.py, mode direct-early), more than the
+   verify after it costs, so there decode checks every write at HandoffDone.
 3. HandoffDone carries the writes and their checksums; decode verifies the blocks it has not verified yet
    before it adopts the request (a mismatch refuses it: HandoffFailed, a 503 the router retries once),
    and the Ack ends it.
@@ -165,7 +168,8 @@ class DirectSender:
                     "round": 0, "writes": len(writes), "bytes": sum(lengths), "endpoint": grant.endpoint}):
                 crcs = asyncio.ensure_future(_finish_thread(self._checksums, writes,
                                                             num_tokens // self.layout.block_size))
-                landed = _Landed(asyncio.get_running_loop()) if len(writes) > 1 else None
+                landed = _Landed(asyncio.get_running_loop()) if len(writes) > 1 and self.config.verify_while_writing \
+                    else None
                 wrote = asyncio.ensure_future(_finish_thread(self.transport.write, grant.endpoint, srcs, dsts,
                                                              lengths, landed and landed.add))
                 telling = asyncio.ensure_future(self._tell_landed(decode, request_id, writes, crcs, landed)) \

@@ -285,6 +285,7 @@ class PrefillService:
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
                            router=p.submit.router)
         span = None  # kv.handoff: from when the decode instance is known
+        transferred = None  # the decode the KV went to, once the handoff succeeded
         try:
             if p.cancelled:  # before it ever ran
                 raise asyncio.CancelledError
@@ -309,9 +310,7 @@ class PrefillService:
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes
             self.handoff_totals["handoffs_done"] += 1
-            if self.events is not None:
-                self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
-                                             decode)
+            transferred = decode
         except asyncio.CancelledError:
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, "cancelled"))
@@ -328,6 +327,9 @@ class PrefillService:
             self._end(rid)
             with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
                 await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
+            if transferred is not None and self.events is not None:  # bookkeeping: after the span, the blocks let go
+                self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
+                                             transferred)
 
     async def _fail(self, rid: str, status: int, message: str) -> None:
         with contextlib.suppress(Exception):

@@ -15,8 +15,8 @@ blocks are moved as they are:
    With transfer.early_verify (on by default except over tcp), writes the engine reports complete while
    others are still on the wire go to decode in PagesLanded (with their CRCs, once the CRC thread has
    them), so decode verifies them beside the rest of the write. Over tcp the CPUs copy the bytes: a verify
-   beside them slowed the write by 20-40% at 34-377 MB (bench/handoff.py, mode direct-early), more than the
-   verify after it costs, so there decode checks every write at HandoffDone.
+   beside them slowed the write by 24-45% at 94-377 MB (bench/handoff.py, mode direct-early; within the
+   noise at 8-34 MB), more than the verify after it costs, so there decode checks every write at HandoffDone.
 3. HandoffDone carries the writes and their checksums; decode verifies the blocks it has not verified yet
    before it adopts the request (a mismatch refuses it: HandoffFailed, a 503 the router retries once),
    and the Ack ends it.

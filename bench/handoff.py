@@ -21,8 +21,10 @@ after the other, with the same prompts, so all are measured against the same raw
    pieces, in one `write` call, between two KVTransports in this process; its writes are interleaved with
    the handoff repeats (median of 2 per repeat) so both see the same machine load. Second baseline, the
    floor (bench/handoff_floor.py): the same write into a child process, then a HandoffDone of the request's
-   shape on the system's bus and its Ack; what any push handoff between two processes pays here, with nothing of
-   moorage's. handoff/floor is moorage's own cost; floor/raw the machine's.
+   shape on the system's bus and its Ack, sent once the child has checked every piece's CRC-32C; what any
+   checksummed push handoff between two processes pays here, with nothing of moorage's (the floor less the
+   child's check is reported as the unchecked floor). handoff/floor is moorage's own cost; floor/raw the
+   machine's.
 2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
    /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
    the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating. The code
@@ -135,7 +137,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
             pieces = [length for _, length in plan_writes(nbytes, window)]
             assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
         done = HandoffDone(rid, ids, [], "", {"max_tokens": 2}, {"device": n},
-                           pages=[[0, 1, 0, length, 0] for length in pieces])  # the request's size on the bus
+                           pages=[])  # the request's size on the bus: FloorTE adds a page entry per piece
         raw, floor, raw_s, floor_s, reps = RawTE(pieces), FloorTE(pieces, launcher.nats.url, done), [], [], []
         try:  # raw and floor writes interleaved with the handoff repeats: all see the same machine load
             for _ in range(p["repeats"]):
@@ -149,11 +151,14 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
         med_raw = statistics.median(raw_s)
         raw = {"bytes": nbytes, "pieces": len(pieces), "repeats": len(raw_s), "times_ms": [t * 1e3 for t in raw_s],
                "median_ms": med_raw * 1e3, "GBps": nbytes / med_raw / 1e9, "best_GBps": nbytes / min(raw_s) / 1e9}
-        med_floor = statistics.median(t for _, t in floor_s)
-        floor = {"repeats": len(floor_s), "write_ms": [w * 1e3 for w, _ in floor_s],
-                 "times_ms": [t * 1e3 for _, t in floor_s], "done_bytes": len(done.encode()),
-                 "median_write_ms": statistics.median(w for w, _ in floor_s) * 1e3, "median_ms": med_floor * 1e3,
-                 "GBps": nbytes / med_floor / 1e9}
+        med_floor = statistics.median(t for _, t, _ in floor_s)
+        med_unchecked = statistics.median(t - v for _, t, v in floor_s)
+        floor = {"repeats": len(floor_s), "write_ms": [w * 1e3 for w, _, _ in floor_s],
+                 "times_ms": [t * 1e3 for _, t, _ in floor_s], "verify_ms": [v * 1e3 for _, _, v in floor_s],
+                 "done_bytes": len(done.encode()), "median_write_ms": statistics.median(w for w, _, _ in floor_s) * 1e3,
+                 "median_verify_ms": statistics.median(v for _, _, v in floor_s) * 1e3, "median_ms": med_floor * 1e3,
+                 "GBps": nbytes / med_floor / 1e9, "median_unchecked_ms": med_unchecked * 1e3,
+                 "unchecked_GBps": nbytes / med_unchecked / 1e9}
         runs.append((n, rid, warm_s, reps, raw, floor, window))
     rids = {r[1] for r in runs} | {x[0] for r in runs for x in r[3]}
     spans_by = wait_spans(traces, TRACE_NAMES, rids)
@@ -174,6 +179,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
                 "handoff_GBps": gbps, "write_GBps": wgbps, "raw_te": raw, "raw_GBps": raw["GBps"],
                 "ratio_handoff_vs_raw": gbps / raw["GBps"], "ratio_write_vs_raw": wgbps / raw["GBps"],
                 "floor": floor, "floor_GBps": floor["GBps"], "ratio_floor_vs_raw": floor["GBps"] / raw["GBps"],
+                "ratio_unchecked_floor_vs_raw": floor["unchecked_GBps"] / raw["GBps"],
                 "ratio_handoff_vs_floor": gbps / floor["GBps"],
                 "spans": spans, "repeat_request_ms": [s * 1e3 for _, s in reps],
                 "trace_median_ms": {k: statistics.median(spans_by[k][rid]["duration_ms"] for rid, _ in reps)
@@ -225,12 +231,13 @@ def report(r: dict) -> str:
             f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
     t1 = md_table(["model", "prompt tok", "mode", "MB", "writes", "expected", "spans", "rounds", "handoff ms", "gather ms",
                    "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "floor GB/s",
-                   "handoff/raw", "write/raw", "floor/raw", "handoff/floor"],
+                   "floor verify ms", "handoff/raw", "write/raw", "floor/raw", "unchecked floor/raw", "handoff/floor"],
                   [[c["model"], c["prompt_tokens"], c.get("bench_mode", c.get("mode", "slots")), c["MB"], c["writes"], c["writes_expected"],
                     c.get("entries", c["writes"]), c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
-                    c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["floor_GBps"], c["ratio_handoff_vs_raw"],
-                    c["ratio_write_vs_raw"], c["ratio_floor_vs_raw"], c["ratio_handoff_vs_floor"]] for c in r["handoff"]])
+                    c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["floor_GBps"], c["floor"]["median_verify_ms"],
+                    c["ratio_handoff_vs_raw"], c["ratio_write_vs_raw"], c["ratio_floor_vs_raw"],
+                    c["ratio_unchecked_floor_vs_raw"], c["ratio_handoff_vs_floor"]] for c in r["handoff"]])
     t2 = md_table(["model", "prompt tok", "client ms", *(f"{n} ms" for n in TRACE_NAMES)],
                   [[c["model"], c["prompt_tokens"], statistics.median(c["repeat_request_ms"]),
                     *(c["trace_median_ms"][n] for n in TRACE_NAMES)] for c in r["handoff"]])
@@ -256,7 +263,7 @@ def plot(r: dict, path: str) -> None:
                  f"{r['machine']['cpu_count']} CPUs, tcp loopback, 8 MiB slots", fontsize=11)
     cs, w = r["handoff"], 0.21
     for j, (key, label) in enumerate((("handoff_GBps", "handoff (whole span)"), ("write_GBps", "handoff write only"),
-                                      ("floor_GBps", "floor: write to another process + one bus round trip"),
+                                      ("floor_GBps", "floor: write to another process + its CRC check + one bus round trip"),
                                       ("raw_GBps", "raw TE batch write, same bytes"))):
         bars = ax.bar([i + (j - 1.5) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
@@ -338,11 +345,12 @@ def main(argv: list[str] | None = None) -> None:
             "write() is the handoff's own (shared/transfer.py: each piece submitted on its own, its status checked "
             "between short naps, not Mooncake's busy-polling sync call)",
             "floor (bench/handoff_floor.py): the same pieces written with the same write() into a child process's "
-            "registered buffer, then a HandoffDone of the request's shape (its prompt ids, a page entry per piece) "
-            "sent over the system's nats-server and the "
-            "child's Ack awaited; no checksum, no engine, no tracing: what any push handoff between two processes "
-            "pays here; interleaved with raw (one floor write after each raw write); floor_GBps = bytes / (write "
-            "+ round trip)",
+            "registered buffer, then a HandoffDone of the request's shape (its prompt ids, a page entry per piece with "
+            "its CRC-32C) sent over the system's nats-server and the child's Ack awaited, which it sends once it has "
+            "checked every piece's CRC (inline, timed: floor verify_ms); no engine, no tracing: what any checksummed "
+            "push handoff between two processes pays here; interleaved with raw (one floor write after each raw "
+            "write); floor_GBps = bytes / (write + round trip with the check); unchecked_GBps = bytes / (the same "
+            "less the child's check)",
             "overhead: (a) and (b) interleaved, order alternating, after warm-up; distinct random 32-token prompts",
         ],
         "handoff": handoff, "overhead": overhead,

@@ -193,7 +193,9 @@ class Bus:
             return min(self.config.max_message_bytes, max(server - HEADER_ROOM_BYTES, server // 2))
         return self.config.max_message_bytes
 
-    def _pack(self, msg: Message) -> bytes:
+    def pack(self, msg: Message) -> bytes:
+        """A message's bytes for the bus, within the cap (PayloadTooLarge otherwise). `request` takes them
+        in place of the message: a sender may encode a message ahead, while it waits for something else."""
         data = msg.encode()
         cap = self.max_message_bytes
         if len(data) > cap:
@@ -202,17 +204,19 @@ class Bus:
         return data
 
     async def publish(self, subject: str, msg: Message) -> None:
-        await self.nc.publish(subject, self._pack(msg), headers=inject_headers())
+        await self.nc.publish(subject, self.pack(msg), headers=inject_headers())
 
-    async def request(self, subject: str, msg: Message, reply_type: type[Message],
+    async def request(self, subject: str, msg: Message | bytes, reply_type: type[Message],
                       timeout: float | None = None) -> Message:
-        resp = await self.nc.request(subject, self._pack(msg), timeout=timeout or self.config.request_timeout_s,
+        """`msg`'s reply, decoded as reply_type; msg may be a message's `pack`ed bytes."""
+        data = msg if isinstance(msg, bytes) else self.pack(msg)
+        resp = await self.nc.request(subject, data, timeout=timeout or self.config.request_timeout_s,
                                      headers=inject_headers())
         return reply_type.decode(resp.data)
 
     async def respond(self, req: Msg, msg: Message) -> None:
         if req.reply:
-            await self.nc.publish(req.reply, self._pack(msg))
+            await self.nc.publish(req.reply, self.pack(msg))
 
     async def subscribe(self, subject: str, msg_type: type[Message], handler: Handler, queue: str = "",
                         on_error: Callable[[Exception, Msg], Message | None] | None = None,

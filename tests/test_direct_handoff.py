@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import threading
 
 import pytest
 import torch
@@ -211,6 +212,35 @@ async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks
                 assert got == want.output_ids and stats.mode == "direct"
             finally:
                 rogue.close()
+
+
+async def test_handoff_done_is_encoded_while_the_write_is_still_on_the_wire(tiny, monkeypatch):
+    """The HandoffDone (writes and CRCs) is packed during the write, so it goes out the moment the write ends:
+    this write waits until it has been, and fails the handoff if it never is."""
+    from tests.natsbus import nats_url
+
+    prompt, params, want, p_engine, d_engine = _setup(tiny, "encode the message ahead: " * 6, 4)
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            packed, real_pack, real_write = threading.Event(), h.p_bus.pack, h.p_te.write
+            packed_during_write = []
+
+            def pack(msg):
+                data = real_pack(msg)
+                if isinstance(msg, HandoffDone):
+                    assert len(msg.pages) >= 1 and all(len(w) == 5 for w in msg.pages)  # the CRCs are in
+                    packed.set()
+                return data
+
+            def write(peer, src, dst, lens, on_landed=None):
+                real_write(peer, src, dst, lens, on_landed)
+                packed_during_write.append(packed.wait(10))  # the write has not returned yet
+
+            monkeypatch.setattr(h.p_bus, "pack", pack)
+            monkeypatch.setattr(h.p_te, "write", write)
+            got, stats = await _generated(h, h.p_bus, p_engine, "ahead", prompt, params)
+            assert packed_during_write == [True]
+            assert got == want.output_ids and stats.mode == "direct"
 
 
 async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_write_has_ended(tiny, monkeypatch):

@@ -66,8 +66,10 @@ async def _finish_thread(fn, *args):
         raise
 
 
-def send_done(bus: Bus, decode: str, done: HandoffDone, done_context: otel_context.Context | None) -> asyncio.Task:
-    """HandoffDone to `decode`, as a task awaiting its Ack, with `done_context` (when given) as its trace parent."""
+def send_done(bus: Bus, decode: str, done: HandoffDone | bytes,
+              done_context: otel_context.Context | None) -> asyncio.Task:
+    """HandoffDone (or its `Bus.pack`ed bytes) to `decode`, as a task awaiting its Ack, with `done_context` (when
+    given) as its trace parent."""
     token = otel_context.attach(done_context) if done_context is not None else None
     try:  # the task copies the current context
         return asyncio.create_task(bus.request(bus.subjects.decode_landed(decode), done, Ack))

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), reading only blocks "
             "without a kept CRC register (crc_reused in the spans: full blocks keep theirs until allocated again, "
             "and the repeats are prefix-cached, so they read only their partly filled last block); over tcp decode "
-            "verifies every span in place after HandoffDone, in parallel threads (verify_ms), and acks "
+            "verifies every span in place after HandoffDone, in parallel threads, or inline up to 8 MiB (verify_ms), and acks "
             "before its engine adopts the request; no gather, "
             "no scatter; bytes are whole blocks (the last one's unused tail included). Decode's pages are "
             "asked for as the prompt's last step starts (early_grant): grant_ms is what is left of that round "

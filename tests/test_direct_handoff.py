@@ -358,7 +358,7 @@ async def test_decode_checks_every_write_whichever_of_its_threads_verifies_it(ti
     with KVTransport() as te:
         async with running_decode(engine) as decode:
             pages = decode.direct = DirectPages(decode.zone, te, enabled=True)
-            pages.threads = 2
+            pages.threads, pages.inline_bytes = 2, 0  # in threads however small
             await pages.grant(PagesRequest("r1", "prefill-0", 4 * engine.layout.block_size, engine.layout.block_layout))
             landing, bb = decode.zone.landings["r1"], pages.block_bytes
             spans = [pages._bytes[b * bb:(b + 1) * bb] for b in landing.blocks]
@@ -372,6 +372,35 @@ async def test_decode_checks_every_write_whichever_of_its_threads_verifies_it(ti
             spans[1][0] ^= 1  # the first share's mismatch is the one reported, whichever thread ends first
             spans[2][7] ^= 1
             assert (await pages._verify(landing, writes))[0].startswith("write 1 ")
+            await decode.direct.released(PagesReleased("r1"))
+
+
+async def test_a_small_handoff_is_verified_on_the_loop_without_a_thread_hop(tiny, monkeypatch):
+    """Up to inline_bytes in all the writes are checked where HandoffDone is handled (a hop to the worker
+    threads and back costs as much as such a CRC); a mismatch is found there all the same."""
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with KVTransport() as te:
+        async with running_decode(engine) as decode:
+            pages = decode.direct = DirectPages(decode.zone, te, enabled=True)
+            await pages.grant(PagesRequest("r1", "prefill-0", 4 * engine.layout.block_size, engine.layout.block_layout))
+            landing, bb = decode.zone.landings["r1"], pages.block_bytes
+            spans = [pages._bytes[b * bb:(b + 1) * bb] for b in landing.blocks]
+            for span in spans:
+                span.copy_(torch.randint(0, 256, (bb,), dtype=torch.uint8))
+            writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]
+            hops, real = [], decode.zone.loop.run_in_worker
+
+            async def run_in_worker(fn):
+                hops.append(fn)
+                return await real(fn)
+
+            monkeypatch.setattr(decode.zone.loop, "run_in_worker", run_in_worker)
+            pages.inline_bytes = 4 * bb
+            assert await pages._verify(landing, writes) == (None, 0) and hops == []
+            spans[2][bb // 3] ^= 1
+            assert (await pages._verify(landing, writes))[0].startswith("write 2 ") and hops == []
+            pages.inline_bytes = 4 * bb - 1  # one byte more than that: the threads
+            assert (await pages._verify(landing, writes))[0].startswith("write 2 ") and hops
             await decode.direct.released(PagesReleased("r1"))
 
 

@@ -9,8 +9,9 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   `unsupported` when the block layouts differ, the pages are not in host memory or span several
   stages, or transfer.direct is false: prefill then uses landing slots.
 - `land` (HandoffDone with pages): the writes must tile the granted blocks exactly, each within
-  consecutive blocks; each write's bytes are checked against its CRC-32C in worker threads (shares of
-  the writes in parallel), in place, before the engine adopts the blocks. A mismatch drops the
+  consecutive blocks; each write's bytes are checked against its CRC-32C in place, before the engine
+  adopts the blocks: in worker threads (shares of the writes in parallel), or on the loop when they are
+  8 MiB or less in all (a thread hop costs as much as that CRC). A mismatch drops the
   landing and refuses: never wrong tokens.
 - `landed` (PagesLanded): some writes are complete while the rest are on the wire; they are checked at
   once on a thread of their own, and `land` awaits those checks instead of checking them again (a head start:
@@ -43,6 +44,10 @@ from shared.transfer import KVTransport
 
 tracer = get_tracer("moorage.decode.direct")
 log = get_logger("decode.direct")
+# Writes of at most this many bytes in all are verified on the event loop, not in worker threads: at that size
+# the hop to the threads and back costs about as much as the CRC itself (the 8 MB handoff's verify_ms on 2
+# busy cores, bench/handoff.py: 1.09-1.12 ms in threads, 0.56-0.70 ms inline), and the loop is held < 1 ms.
+INLINE_VERIFY_BYTES = 8 << 20
 
 
 class Refused(ValueError):
@@ -55,6 +60,7 @@ class DirectPages:
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
         self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
+        self.inline_bytes = INLINE_VERIFY_BYTES
         self._early = ThreadPoolExecutor(1, thread_name_prefix="decode-verify-early")  # checks on PagesLanded
         self.reason = ("transfer.direct is false" if not enabled else
                        "decode's pages span several stages" if len(pages) != 1 else
@@ -204,16 +210,21 @@ class DirectPages:
     async def _verify(self, landing: Landing, writes: list) -> tuple[str | None, int]:
         """(None when every write's bytes in the pages match its checksum, else why not; how many writes a
         PagesLanded had already started checking). Those checks are awaited; the other writes are checked
-        in `threads` worker threads at once, in shares of about equal bytes (the CRC releases the GIL;
-        prefill cuts long runs into 4 MiB writes for this)."""
+        here when they are `inline_bytes` or less in all, else in `threads` worker threads at once, in
+        shares of about equal bytes (the CRC releases the GIL; prefill cuts long runs into 4 MiB writes
+        for this)."""
         early = [landing.checks.get(tuple(w)) for w in writes]
         rest = [i for i, e in enumerate(early) if e is None]
-        shares = [[rest[j] for j in s] for s in _shares([writes[i][3] for i in rest], self.threads)] if rest else []
         told = [i for i, e in enumerate(early) if e is not None]
         tasks = list({early[i][0]: None for i in told})
         results = dict(zip(tasks, await asyncio.gather(*tasks)))
-        found = [_mismatch(i, writes[i], results[early[i][0]][early[i][1]]) for i in told] + await asyncio.gather(*(
-            self.zone.loop.run_in_worker(lambda s=s: self._check(landing, writes, s)) for s in shares))
+        found = [_mismatch(i, writes[i], results[early[i][0]][early[i][1]]) for i in told]
+        if sum(writes[i][3] for i in rest) <= self.inline_bytes:
+            found.append(self._check(landing, writes, rest))
+        else:
+            shares = [[rest[j] for j in s] for s in _shares([writes[i][3] for i in rest], self.threads)]
+            found += await asyncio.gather(*(self.zone.loop.run_in_worker(lambda s=s: self._check(landing, writes, s))
+                                            for s in shares))
         return _first(found), len(told)
 
     def _check(self, landing: Landing, writes: list, share) -> tuple[int, str] | None:

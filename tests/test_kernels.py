@@ -22,6 +22,20 @@ needs_cpu = pytest.mark.skipif(not CPU_OK, reason="the CPU KV copy kernel did no
 BACKENDS = [pytest.param(ref, id="reference"), pytest.param(cpu_kv, id="cpu", marks=needs_cpu)]
 
 
+def test_kernels_resolves_to_moorages_own_package_from_any_directory(tmp_path):
+    """Services start from any working directory: `import kernels` must find this repository's package there,
+    not another distribution's of the same name (Hugging Face's `kernels`, which transformers >= 5.25
+    requires, would shadow it from site-packages; pyproject.toml keeps it out)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out).resolve() == Path(kernels.__file__).resolve(), out
+    assert Path(out).resolve().parent.parent == Path(__file__).resolve().parent.parent
+
+
 def _random_pages(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(p.shape, generator=g).to(layout.dtype) for p in allocate_pages(layout, num_blocks)]

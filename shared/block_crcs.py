@@ -26,7 +26,7 @@ from shared.page_writes import to_runs
 
 def blocks_crc(page: torch.Tensor, ids: list[int], threads: int = 0) -> int:
     """CRC-32C of blocks `ids` of `page` (uint8 [blocks, block bytes], CPU, contiguous) in this order, read in
-    place: per-block registers joined (the C kernel: three lanes, `threads` threads, 0 = torch's), or
+    place: per-block registers joined (the C kernel: folded or three lanes, `threads` threads, 0 = torch's), or
     piece by piece (crc32c) without it."""
     with cpu_kv.threads(threads or torch.get_num_threads()):
         regs = cpu_kv.block_crcs(page, ids)

@@ -3,13 +3,15 @@ block's next allocation."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+from pathlib import Path
 
 import crc32c
 import pytest
 import torch
 
-from kernels import cpu_kv
+from kernels import cbuild, cpu_kv
 from shared.block_crcs import BlockCRCs
 from shared.engine.block_manager import BlockManager
 
@@ -81,3 +83,41 @@ def test_the_kernels_crc32c_is_the_crc32c_packages():
     floats = torch.randn(1001)
     assert cpu_kv.crc32c(floats) == crc32c.crc32c(floats.numpy().tobytes())
     assert cpu_kv.crc32c(data[::2]) is None  # not contiguous: the caller's fallback
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_folded_and_three_lane_crcs_both_equal_the_crc32c_packages():
+    """The native build folds with VPCLMULQDQ exactly when the CPU has it (and AVX-512); a build with only
+    SSE4.2 takes three lanes of the CRC instruction. Both give crc32c's value at every length around the
+    fold's steps (256 and 64 bytes), from any start and any CRC before."""
+    flags = _cpu_flags()
+    if not {"sse4_2"} <= flags:
+        pytest.fail(f"an x86 CPU with SSE4.2 is what this suite runs on; flags: {sorted(flags)[:20]}")
+    assert cpu_kv.crc_folds() == ({"avx512f", "vpclmulqdq"} <= flags)
+    lanes = cbuild.CKernel("kv_copy_sse42", cpu_kv._C_SOURCE, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
+                           [["-msse4.2", "-fopenmp-simd"]], base_flags=cpu_kv._BASE_FLAGS,
+                           more={"moorage_crc32c": cpu_kv._CRC32C_ARGS, "moorage_crc_folds": []})
+    assert lanes.available() and lanes.symbol_fn("moorage_crc_folds")() == 0
+
+    def three_lanes(buf: torch.Tensor, value: int) -> int:
+        crc = ctypes.c_uint32(value)
+        assert lanes.symbol_fn("moorage_crc32c")(buf.data_ptr(), buf.numel(), ctypes.byref(crc)) == 0
+        return crc.value
+
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    rng = random.Random(3)
+    lengths = [n + d for n in (64, 256, 512, 768, 1024, 4096) for d in (-1, 0, 1, 63, 64, 65, 255)]
+    lengths += [rng.randrange(1 << 20 - 1) for _ in range(20)]
+    for n in lengths:
+        start = rng.randrange(64)
+        piece = data[start:start + n]
+        value = rng.choice([0, rng.randrange(1 << 32)])
+        want = crc32c.crc32c(piece.numpy(), value=value)
+        assert cpu_kv.crc32c(piece, value) == want, (n, start, value)
+        assert three_lanes(piece, value) == want, (n, start, value)

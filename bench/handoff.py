@@ -1,7 +1,7 @@
 """KV handoff and router/gate overhead benchmark, on the real system (nats + gate + decode + prefill +
 router as processes, started with infra.up.Launcher; one system per model, default 8 MiB slots).
 
-Run from the repository root (full run: ~8 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
+Run from the repository root (full run: ~9 minutes on 2 CPU cores, mostly SmolLM2's cold 8K
 prefill, once per mode; --quick: tiny, 2K, direct only, R=1, N=10, ~30 s):
 
     .venv/bin/python -m bench.handoff --out bench/results/handoff.json
@@ -24,7 +24,9 @@ after the other, with the same prompts, so all are measured against the same raw
    shape on the system's bus and its Ack, sent once the child has checked every piece's CRC-32C; what any
    checksummed push handoff between two processes pays here, with nothing of moorage's (the floor less the
    child's check is reported as the unchecked floor). handoff/floor is moorage's own cost; floor/raw the
-   machine's.
+   machine's. Each ratio comes with a 95% bootstrap interval over the repeats (`ci95`: a repeat is one
+   handoff with the raw and floor writes just before it, drawn together): the raw write alone spreads
+   2-3x within a case on this box, so one run's ratio is an estimate, and the interval says how good.
 2. Overhead (tiny, ~32-token prompts, max_tokens=1 so the request ends at prefill): (a) POST
    /v1/completions through the router (httpx keep-alive) vs (b) PrefillSubmit straight to the prefill on
    the bus and wait for the final TokenChunk (no gate, no HTTP). Interleaved, order alternating. The code
@@ -43,6 +45,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 from bench._util import machine_info, md_table, percentile, write_result
@@ -60,7 +63,7 @@ SEED = 20240601
 SMOL = "smollm2-135m"
 BLOCKS = 1024  # per engine: 16384 tokens, so a cached 2K and an 8K prompt fit on prefill (gate: 90% of decode's)
 TRACE_NAMES = ("router.request", "prefill.queue", "prefill.compute", "kv.handoff", "decode.generate")
-FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=8, raw_per_repeat=2, overhead_n=50,
+FULL = dict(models=["tiny", SMOL], prompts=[2048, 8190], repeats=16, raw_per_repeat=2, overhead_n=50,
             overhead_warm=5, modes=["direct", "direct-early", "slots"])
 QUICK = dict(models=["tiny"], prompts=[2048], repeats=1, raw_per_repeat=3, overhead_n=10,
              overhead_warm=3, modes=["direct"])
@@ -169,6 +172,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
         med = {k: statistics.median(s.get(k, 0.0) for s in spans) for k in
                ("duration_ms", "gather_ms", "write_ms", "scatter_ms", "crc_ms", "verify_ms", "grant_ms", "done_ms")}
         nbytes, writes, mode = spans[0]["bytes"], spans[0]["writes"], spans[0].get("mode", "slots")
+        took, n_rep = [s["duration_ms"] for s in spans], len(spans)
         gbps, wgbps = nbytes / med["duration_ms"] / 1e6, nbytes / med["write_ms"] / 1e6
         case = {"model": model, "prompt_tokens": n, "mode": mode, "bytes": nbytes, "MB": nbytes / 1e6,
                 "writes": writes, "entries": raw["pieces"],
@@ -181,6 +185,9 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
                 "floor": floor, "floor_GBps": floor["GBps"], "ratio_floor_vs_raw": floor["GBps"] / raw["GBps"],
                 "ratio_unchecked_floor_vs_raw": floor["unchecked_GBps"] / raw["GBps"],
                 "ratio_handoff_vs_floor": gbps / floor["GBps"],
+                "ci95": {"handoff_vs_raw": ratio_ci(raw["times_ms"], took, n_rep),
+                         "floor_vs_raw": ratio_ci(raw["times_ms"], floor["times_ms"], n_rep),
+                         "handoff_vs_floor": ratio_ci(floor["times_ms"], took, n_rep)},
                 "spans": spans, "repeat_request_ms": [s * 1e3 for _, s in reps],
                 "trace_median_ms": {k: statistics.median(spans_by[k][rid]["duration_ms"] for rid, _ in reps)
                                     for k in TRACE_NAMES},
@@ -191,6 +198,17 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
             f"(write-only {wgbps:.2f}), raw TE {raw['GBps']:.2f} GB/s, floor {floor['GBps']:.2f} GB/s")
         cases.append(case)
     return cases
+
+
+def ratio_ci(base: list[float], times: list[float], repeats: int, seed: int = SEED, boot: int = 4000) -> list[float]:
+    """95% bootstrap interval of median(base) / median(times) (the GB/s of `times` as a fraction of `base`'s),
+    resampling repeats: each list holds the same number of times per repeat, in repeat order (a handoff
+    and the raw and floor writes just before it saw the same load, so they are drawn together)."""
+    rng = np.random.default_rng(seed)
+    b, t = np.asarray(base).reshape(repeats, -1), np.asarray(times).reshape(repeats, -1)
+    idx = rng.integers(0, repeats, size=(boot, repeats))
+    ratios = np.median(b[idx].reshape(boot, -1), axis=1) / np.median(t[idx].reshape(boot, -1), axis=1)
+    return [float(x) for x in np.percentile(ratios, [2.5, 97.5])]
 
 
 EXTRA: list[str] = []  # --set overrides, after the bench's own
@@ -231,13 +249,15 @@ def report(r: dict) -> str:
             f"slot {r['params']['slot_bytes']} B, Mooncake TE over tcp loopback\n")
     t1 = md_table(["model", "prompt tok", "mode", "MB", "writes", "expected", "spans", "rounds", "handoff ms", "gather ms",
                    "write ms", "scatter ms", "other ms", "handoff GB/s", "write GB/s", "raw TE GB/s", "floor GB/s",
-                   "floor verify ms", "handoff/raw", "write/raw", "floor/raw", "unchecked floor/raw", "handoff/floor"],
+                   "floor verify ms", "handoff/raw", "95% CI", "write/raw", "floor/raw", "95% CI", "unchecked floor/raw",
+                   "handoff/floor"],
                   [[c["model"], c["prompt_tokens"], c.get("bench_mode", c.get("mode", "slots")), c["MB"], c["writes"], c["writes_expected"],
                     c.get("entries", c["writes"]), c["rounds"], c["median_duration_ms"],
                     c["median_gather_ms"], c["median_write_ms"], c["median_scatter_ms"], c["median_other_ms"],
                     c["handoff_GBps"], c["write_GBps"], c["raw_GBps"], c["floor_GBps"], c["floor"]["median_verify_ms"],
-                    c["ratio_handoff_vs_raw"], c["ratio_write_vs_raw"], c["ratio_floor_vs_raw"],
-                    c["ratio_unchecked_floor_vs_raw"], c["ratio_handoff_vs_floor"]] for c in r["handoff"]])
+                    c["ratio_handoff_vs_raw"], _ci(c, "handoff_vs_raw"), c["ratio_write_vs_raw"], c["ratio_floor_vs_raw"],
+                    _ci(c, "floor_vs_raw"), c["ratio_unchecked_floor_vs_raw"], c["ratio_handoff_vs_floor"]]
+                   for c in r["handoff"]])
     t2 = md_table(["model", "prompt tok", "client ms", *(f"{n} ms" for n in TRACE_NAMES)],
                   [[c["model"], c["prompt_tokens"], statistics.median(c["repeat_request_ms"]),
                     *(c["trace_median_ms"][n] for n in TRACE_NAMES)] for c in r["handoff"]])
@@ -251,6 +271,11 @@ def report(r: dict) -> str:
                     o["paired_diff"]["p99_ms"], o["paired_diff"]["mean_ms"]]])
     return "\n".join([head, t1, "", "Repeat requests (prefix-cached), median span durations of their traces:", "",
                       t2, "", t3, "", "Notes: " + "; ".join(r["notes"])])
+
+
+def _ci(case: dict, key: str) -> str:
+    lo, hi = case.get("ci95", {}).get(key, (None, None))
+    return "" if lo is None else f"{lo:.2f}-{hi:.2f}"
 
 
 def plot(r: dict, path: str) -> None:
@@ -268,7 +293,8 @@ def plot(r: dict, path: str) -> None:
         bars = ax.bar([i + (j - 1.5) * w for i in range(len(cs))], [c[key] for c in cs], w, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_xticks(range(len(cs)), [f"{c['model'].split('-')[0]} {c['prompt_tokens']}\n{c.get('bench_mode', 'direct')}\n"
-                                   f"{c['MB']:.0f} MB, {c['writes']} writes"
+                                   f"{c['MB']:.0f} MB, {c['writes']} writes\nhandoff/raw {c['ratio_handoff_vs_raw']:.2f} "
+                                   f"({_ci(c, 'handoff_vs_raw')})"
                                    for c in cs], fontsize=8)
     ax.set_ylabel("GB/s (1e9 B / median time)")
     ax.set_title("KV handoff throughput vs raw Transfer Engine")
@@ -320,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
                   "*GBps": "1e9 bytes/second", "ratio_a_vs_b": "a GBps / b GBps"},
         "notes": [
             "handoff numbers are medians over the R repeats (prefix-cached prefill); warm request's handoff in JSON",
+            "ci95: 95% bootstrap intervals (4000 resamples of the repeats, seeded) of handoff/raw, floor/raw and "
+            "handoff/floor, each the ratio of medians as in the table",
             "mode direct (the default): prefill's blocks are written straight into decode's pages, as spans of "
             "blocks consecutive on both sides cut every 4 MiB, in one Transfer Engine call (writes = "
             "ceil(spans / 512)); the CRC runs in a second thread during the write (crc_ms), reading only blocks "

@@ -28,3 +28,17 @@ def test_floor_times_a_write_its_check_and_a_round_trip(nats_url):
     assert all(0 < write <= total and 0 < check < total - write for write, total, check in times)
     assert floor.child.returncode == 0  # it left when its stdin closed
 
+
+
+def test_the_handoff_benchs_interval_draws_a_repeat_and_its_raw_writes_together():
+    from bench.handoff import ratio_ci
+
+    # every repeat: raw writes 10 ms, handoff 12.5 ms -> handoff/raw exactly 0.8, whatever is drawn
+    assert ratio_ci([10.0, 10.0] * 6, [12.5] * 6, 6) == pytest.approx([0.8, 0.8])
+    # load that varies between repeats but hits both alike leaves the ratio alone (drawn apart, it would not)
+    raw = [t for load in (1, 2, 3, 1.5, 2.5, 1) for t in (10 * load, 10 * load)]
+    handoff = [12.5 * load for load in (1, 2, 3, 1.5, 2.5, 1)]
+    assert ratio_ci(raw, handoff, 6) == pytest.approx([0.8, 0.8])
+    # a noisy handoff widens it around the point estimate
+    lo, hi = ratio_ci([10.0] * 12, [9, 16, 11, 14, 12, 13], 6)
+    assert lo < 10 / 12.5 < hi and hi - lo > 0.1

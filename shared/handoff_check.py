@@ -8,8 +8,8 @@ A mismatch, or a SlotsFilled without checksums, fails that request (prefill turn
 
 CRC-32C (Castagnoli) as shared/kv_object.checksum computes it: the C kernel's (kernels/cpu_kv.py: folded
 with VPCLMULQDQ where the CPU has it, 8 MiB in cache in 0.19 ms on one core of the 2-core dev box; else
-three interleaved lanes of the CRC instruction, 0.55 ms), else the `crc32c` package (SSE4.2 / ARMv8 CRC instructions where the CPU has them). Both release the GIL,
-so the event loop keeps running meanwhile. Measured earlier, 8 MiB: crc32c 0.35-0.44 ms, zlib.crc32
+three interleaved lanes of the CRC instruction, 0.55 ms), else the `crc32c` package (SSE4.2 / ARMv8 CRC
+instructions where the CPU has them). Both release the GIL, so the event loop keeps running meanwhile. Measured earlier, 8 MiB: crc32c 0.35-0.44 ms, zlib.crc32
 2.4-4.7 ms, google-crc32c 0.4 ms but it holds the GIL for the whole call.
 """
 

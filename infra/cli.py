@@ -131,16 +131,35 @@ def _serve_main(rest: list[str]) -> int:
                      "`moorage serve <service> --help` for its options.", _serve)
 
 
+def service_config_class(service: str) -> type:
+    import importlib
+
+    config_module = importlib.import_module(f"services.{service}.config")
+    return next(getattr(config_module, n) for n in dir(config_module)
+                if n.endswith("Config") and n.lower() == f"{service}config")
+
+
 def _serve(service: str, rest: list[str]) -> int:
     import importlib
 
     from shared.service import run_service
 
-    config_module = importlib.import_module(f"services.{service}.config")
-    config_cls = next(getattr(config_module, n) for n in dir(config_module)
-                      if n.endswith("Config") and n.lower() == f"{service}config")
     serve = importlib.import_module(f"services.{service}.main").serve
-    return run_service(service, config_cls, serve, rest)
+    return run_service(service, service_config_class(service), serve, rest)
+
+
+def _watch_main(rest: list[str]) -> int:
+    return _dispatch(rest, SERVICES, f"usage: moorage watch {{{','.join(SERVICES)}}} [moorage serve options]",
+                     "Runs `moorage serve <service>` as a child and announces its exit on the bus, so peers "
+                     "act at once (compose's command; see infra/exits.py).",
+                     lambda service, argv: _call("infra.exits:watch", service, argv))
+
+
+def _exited_main(rest: list[str]) -> int:
+    return _dispatch(rest, SERVICES, f"usage: moorage exited {{{','.join(SERVICES)}}} --config FILE",
+                     "Announces on the bus that the service's process ended, from systemd's EXIT_CODE / "
+                     "EXIT_STATUS / INVOCATION_ID (each unit's ExecStopPost; see infra/exits.py). Exits 0.",
+                     lambda service, argv: _call("infra.exits:announce_systemd", service, argv))
 
 
 def _bench_main(rest: list[str]) -> int:
@@ -151,11 +170,11 @@ def _bench_main(rest: list[str]) -> int:
                      lambda name, argv: _call(BENCHES[name][0], argv))
 
 
-def _call(target: str, rest: list[str]) -> int:
+def _call(target: str, *args) -> int:
     import importlib
 
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)(rest)
+    return getattr(importlib.import_module(module), attr)(*args)
 
 
 def _trace_main(rest: list[str]) -> int:
@@ -176,8 +195,8 @@ def _trace_main(rest: list[str]) -> int:
     return 0
 
 
-PASSTHROUGH = {"trace": _trace_main, "bench": _bench_main, "serve": _serve_main,
-               "deploy": lambda rest: _call("infra.deploy:main", rest)}
+PASSTHROUGH = {"trace": _trace_main, "bench": _bench_main, "serve": _serve_main, "watch": _watch_main,
+               "exited": _exited_main, "deploy": lambda rest: _call("infra.deploy:main", rest)}
 
 
 def _add_passthrough(sub, name: str, help_: str) -> None:
@@ -194,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_up(sub)
     _add_passthrough(sub, "serve", f"run one service ({', '.join(SERVICES)}): what compose and systemd start")
+    _add_passthrough(sub, "watch", "run one service and announce its exit on the bus (compose's command)")
+    _add_passthrough(sub, "exited", "announce that a service's process ended (systemd's ExecStopPost)")
     _add_status(sub)
     _add_passthrough(sub, "trace", "agent traces: `synth` a corpus, `validate` one; request traces: `show`, "
                                    "`breakdown`")

@@ -39,11 +39,14 @@ from services.router.config import RouterConfig
 from services.store.config import StoreConfig
 from shared.config import ConfigError
 from shared.engine.kv_sizing import format_bytes, host_available_bytes, parse_memory
+from infra.exits import ExitAnnouncer, new_boot
+from shared.messages import InstanceExited
 from shared.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
 from shared.procs import ProcId, die_with_parent
 from shared.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
 from shared.sockets import free_port, listen, url_of
-from shared.supervise import RestartPolicy, Supervisor
+from shared.service import BOOT_ENV
+from shared.supervise import RestartPolicy, Supervisor, describe_exit
 from shared.tomlgen import to_toml
 
 CLI_MODULE = "infra.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` with this interpreter
@@ -209,6 +212,9 @@ class Launcher:
         up = cfg.up
         self.run_dir = Path(up.run_dir).resolve()
         self.configs: dict[str, object] = {}          # instance -> the config it was started with
+        self.roles: dict[str, str] = {}               # instance -> its service (role)
+        self.boots: dict[int, str] = {}               # pid -> the incarnation it was given (MOORAGE_BOOT)
+        self.announcer: ExitAnnouncer | None = None   # publishes InstanceExited for a child that ended
         self.nats: NatsServer | None = None
         self.credential: NatsCredential | None = None
         self.kv: KVSplit | None = None
@@ -221,7 +227,7 @@ class Launcher:
         self._say = say or (lambda line: print(f"moorage: {line}", flush=True))
         self.supervisor = Supervisor(
             RestartPolicy(up.restart, up.restart_backoff_s, up.restart_backoff_max_s, up.restart_reset_s),
-            say=self._event, on_change=lambda _: self._write_state())
+            say=self._event, on_change=lambda _: self._write_state(), on_exit=self._exited)
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -232,6 +238,15 @@ class Launcher:
         self._say(line)
         with open(self.run_dir / "up.log", "a") as f:  # the launcher's own log: starts, exits, restarts
             f.write(json.dumps({"timestamp": time.time(), "event": line}) + "\n")
+
+    def _exited(self, name: str, proc: subprocess.Popen, returncode: int) -> None:
+        """On the supervisor thread, as waitpid returns: tell the bus (routers, gates and engines act on it
+        at once; infra/exits.py). The nats-server's own end is not announced: nobody would hear it."""
+        role, boot = self.roles.get(name), self.boots.pop(proc.pid, "")
+        if role is None or self.announcer is None:
+            return
+        self.announcer.announce(InstanceExited(role, name, boot, describe_exit(returncode), False, proc.pid,
+                                               "moorage-up"), self.configs[name].bus.prefix)
 
     def _write_state(self) -> None:
         children = self.supervisor.children
@@ -258,10 +273,14 @@ class Launcher:
 
     def _spawner(self, service: str, path: Path, pass_fds: tuple[int, ...] = ()):
         def spawn() -> subprocess.Popen:
+            boot = new_boot()  # the process's incarnation: its load reports and its exit announcement name it
             with open(self.run_dir / f"{path.stem}.log", "ab") as log:
-                return subprocess.Popen([sys.executable, "-m", CLI_MODULE, "serve", service, "--config", str(path)],
+                proc = subprocess.Popen([sys.executable, "-m", CLI_MODULE, "serve", service, "--config", str(path)],
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        pass_fds=pass_fds, preexec_fn=die_with_parent())
+                                        pass_fds=pass_fds, preexec_fn=die_with_parent(),
+                                        env={**os.environ, BOOT_ENV: boot})
+            self.boots[proc.pid] = boot
+            return proc
         return spawn
 
     def start(self) -> str:
@@ -273,6 +292,10 @@ class Launcher:
         self.router_url = url_of(self.router_sock)
         router_fd = self.router_sock.fileno()
         self.nats_address = self.cfg.up.nats_url or self._start_nats()
+        bus = self.cfg.gate.bus  # the services' bus settings (plan() gives every one this URL and credential)
+        self.announcer = ExitAnnouncer(dataclasses.replace(bus, url=self.nats_address, **(
+            {"user": self.credential.user, "password": self.credential.password} if self.credential else {})),
+            "moorage-up")
         if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
             self.kv = split_kv(self.cfg.up, host_available_bytes())
         if self.cfg.up.trace_ui:  # before the services: they export to it from their first span
@@ -281,7 +304,7 @@ class Launcher:
             self.cfg = export_to(self.cfg, self.trace_ui.url, self.run_dir / "traces.jsonl")
         for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential,
                                               router_fd=router_fd):
-            self.configs[instance] = config
+            self.configs[instance], self.roles[instance] = config, service
             path = self.run_dir / f"{instance}.toml"
             write_private(path, to_toml(config))  # may hold the bus credential: 0600
             self.supervisor.add(instance, self._spawner(service, path, (router_fd,) if service == "router" else ()))
@@ -331,6 +354,9 @@ class Launcher:
         return f"\n--- {instance} ({child.last_exit if child else '?'}), last lines of its log:\n" + "\n".join(tail)
 
     def stop(self, timeout: float = 15.0) -> None:
+        announcer, self.announcer = self.announcer, None  # a stop we ask for is not announced (services say
+        if announcer is not None:                           # goodbye themselves); closed while the bus is up
+            announcer.close()
         self.supervisor.stop(timeout)
         if self.trace_ui is not None:  # after the services: their last spans are flushed to it
             self.trace_ui.stop()

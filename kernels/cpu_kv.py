@@ -599,6 +599,13 @@ def scatter_from_rank(buf: torch.Tensor, pages: torch.Tensor, block_table: Index
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing their bytes
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# One madvise call holds the process's mmap lock (read) for the whole range it populates, and any mmap,
+# munmap or thread start in the process (torch's large temporaries, a new worker thread) waits for that
+# lock while every later page fault of every thread queues behind the waiting writer: the whole process
+# stops. Populating costs ~2.8 ms per MiB on these VMs (fresh pages are zeroed), so one 16 MiB call from
+# the nice-19 page warmer on a saturated host held the lock for seconds and froze prefill (and its load
+# reports) for 2-5 s. Each call covers at most this much: a writer waits for one piece at most.
+POPULATE_PIECE_BYTES = 256 << 10
 _libc: list = []
 
 
@@ -637,6 +644,7 @@ def prefault(pages: torch.Tensor, block_ids: list[int]) -> bool:
     for lo, hi in runs:
         a, z = base + lo * block_bytes, base + hi * block_bytes
         a -= a % _PAGE  # madvise wants a page-aligned start; the page before is part of the pool or its header
-        if libc.madvise(a, z - a, _MADV_POPULATE_WRITE) != 0:
-            return False
+        for start in range(a, z, POPULATE_PIECE_BYTES):  # pieces: see POPULATE_PIECE_BYTES
+            if libc.madvise(start, min(z, start + POPULATE_PIECE_BYTES) - start, _MADV_POPULATE_WRITE) != 0:
+                return False
     return True

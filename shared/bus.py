@@ -23,6 +23,7 @@ from shared.tracing import extract_context, inject_headers
 log = get_logger("bus")
 HEADER_ROOM_BYTES = 64 * 1024  # the server's max_payload counts headers (trace context) too
 DEFAULT_MAX_MESSAGE_BYTES = (8 << 20) - HEADER_ROOM_BYTES  # under the embedded server's 8 MiB max_payload
+DRAIN_TIMEOUT_S = 2.0  # close(): handlers still running get this long, then the connection closes under them
 
 
 class PayloadTooLarge(RuntimeError):
@@ -103,6 +104,14 @@ class Subjects:
     def load_all(self) -> str:
         return f"{self.prefix}.load.>"
 
+    def exited(self, role: str, instance: str) -> str:
+        """An InstanceExited: a supervisor saw this instance's process end."""
+        return f"{self.prefix}.exited.{role}.{instance}"
+
+    @property
+    def exited_all(self) -> str:
+        return f"{self.prefix}.exited.>"
+
     def kv_events(self, instance: str) -> str:
         return f"{self.prefix}.kv.events.{instance}"
 
@@ -161,7 +170,8 @@ class Bus:
         callbacks = {"error_cb": watch.on_error, "disconnected_cb": watch.on_disconnected,
                      "reconnected_cb": watch.on_reconnected, **callbacks}
         opts: dict = dict(servers=[config.url], name=name, connect_timeout=config.connect_timeout_s,
-                          max_reconnect_attempts=-1, reconnect_time_wait=0.5, **callbacks)
+                          max_reconnect_attempts=-1, reconnect_time_wait=0.5, drain_timeout=DRAIN_TIMEOUT_S,
+                          **callbacks)
         if config.user:
             opts.update(user=config.user, password=config.password)
         if config.token:
@@ -259,7 +269,10 @@ class Bus:
         if self.connection_log is not None:
             self.connection_log.down = True  # closing on purpose: no "disconnected" warning
         if not self.nc.is_closed:
+            # The client's own drain_timeout bounds it: cancelling a drain from outside (wait_for) left its
+            # subscriptions' gathered drains failed with CancelledError and unread, logged at every stop
+            # as "_GatheringFuture exception was never retrieved".
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+                await self.nc.drain()
             except Exception:
                 await self.nc.close()

@@ -8,8 +8,9 @@ process was killed (the restarted one lists only its own requests) or ended it a
 Without this, a request submitted before the gate's answer (overlapped admission) whose router then died
 would hold its KV until `assign_timeout_s`, and a decode would generate up to max_tokens for nobody.
 
-A router that dies and never comes back sends nothing: its requests end by their own timeouts.
-Pure logic, clock passed in.
+A router process that ends is announced by its supervisor (InstanceExited): `exit_holdings` is the empty
+list it can no longer send, and engines apply it with no grace. A router that dies unannounced and never
+comes back sends nothing: its requests end by their own timeouts. Pure logic, clock passed in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from shared.messages import Holdings
+from shared.messages import Holdings, InstanceExited
 
 ORPHAN_REASON = "its router no longer holds it (restarted or lost the request)"
 
@@ -39,3 +40,8 @@ def orphans(served: Iterable[Served], msg: Holdings, now: float, grace_s: float)
     cutoff = now - grace_s
     return [s.request_id for s in served
             if s.router == msg.router and s.request_id not in held and s.since <= cutoff]
+
+
+def exit_holdings(msg: InstanceExited) -> Holdings:
+    """What an ended router process holds: nothing (apply with grace 0: it can send no request any more)."""
+    return Holdings(msg.instance, msg.boot, [])

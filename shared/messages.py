@@ -326,6 +326,22 @@ class LoadReport(Message):
     boot: str = ""               # this process's incarnation (the runtime fills it in): a new one = restarted
 
 
+@message("exited")
+class InstanceExited(Message):
+    """A service process ended, announced by whoever saw it end: `moorage up`'s supervisor (at once, from
+    waitpid), systemd's ExecStopPost (`moorage exited`), or `moorage watch` (compose). Busy is not dead:
+    this, not a silent load report, is how routers, gates and engines learn that an instance is gone.
+    A receiver acts only when `boot` is the incarnation it last heard from that instance (or it knows
+    none): a late announcement never ends a restarted process's work."""
+    role: str
+    instance: str
+    boot: str = ""            # the process incarnation that ended (its load reports' `boot`); "" = unknown
+    how: str = ""             # e.g. "killed by SIGKILL", "exit code 1"
+    clean: bool = False       # it stopped on request and exited 0 (it said goodbye itself)
+    pid: int = 0
+    source: str = ""          # moorage-up | systemd | watch
+
+
 @message("kv_events")
 class KVEventBatch(Message):
     instance: str

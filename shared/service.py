@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -25,7 +26,18 @@ from shared.logging import get_logger, setup_logging
 from shared.messages import LoadReport
 from shared.ops_http import HttpSettings, OpsEndpoint
 from shared.sdnotify import notify
+from shared.threads import default_workers, started_executor
 from shared.tracing import TracingConfig, setup_tracing, shutdown_tracing
+
+
+BOOT_ENV = "MOORAGE_BOOT"
+
+
+def process_boot() -> str:
+    """This process's incarnation (the `boot` of its load reports). A supervisor that announces exits sets
+    it, so its InstanceExited names the process that ended: `moorage up` and `moorage watch` in MOORAGE_BOOT,
+    systemd in INVOCATION_ID (its ExecStopPost sees the same). Otherwise a fresh id."""
+    return os.environ.get(BOOT_ENV) or os.environ.get("INVOCATION_ID") or uuid.uuid4().hex[:12]
 
 
 @dataclass
@@ -58,7 +70,7 @@ class ServiceContext:
     serving: bool = False  # serve() returned and no stop yet: what /health says with the load report
     http_url: str = ""     # where /health and /metrics answer ("" when http.port is -1)
     started_at: float = field(default_factory=time.time)
-    boot: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this process's incarnation
+    boot: str = field(default_factory=process_boot)  # this process's incarnation
 
     @property
     def log(self):
@@ -71,26 +83,33 @@ REPORT_GAP_S = 0.02  # reports asked for with report_soon go out at most this of
 async def _report_load(ctx: ServiceContext, interval: float) -> None:
     """The load report every `interval`, and at once when the service sets `report_soon` (a decode that
     freed KV: a gate that counts decode's reported free KV would otherwise wait up to `interval` to admit
-    the next request)."""
+    the next request). Each report carries `detail.loop_lag_ms`: how late this loop woke for its previous
+    deadline (the event loop blocked, or the whole process starved or frozen): what a silence is made of."""
+    lag_ms = 0.0
     while not ctx.stop.is_set():
         ctx.report_soon.clear()
         if ctx.load_report is not None:
             with contextlib.suppress(Exception):
-                await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), _stamped(ctx))
+                await ctx.bus.publish(ctx.bus.subjects.load(ctx.role, ctx.instance), _stamped(ctx, lag_ms))
         waits = [asyncio.ensure_future(ctx.stop.wait()), asyncio.ensure_future(ctx.report_soon.wait())]
+        deadline = time.monotonic() + interval
         try:
-            await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
+        if not done:
+            lag_ms = max(0.0, time.monotonic() - deadline) * 1e3
         if ctx.report_soon.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ctx.stop.wait(), timeout=REPORT_GAP_S)
 
 
-def _stamped(ctx: ServiceContext) -> LoadReport:
+def _stamped(ctx: ServiceContext, loop_lag_ms: float | None = None) -> LoadReport:
     report = ctx.load_report()
     report.boot = ctx.boot
+    if loop_lag_ms is not None and isinstance(report.detail, dict):
+        report.detail["loop_lag_ms"] = round(loop_lag_ms, 1)
     return report
 
 
@@ -111,9 +130,10 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
     setup_logging(role, instance, config.log.level, config.log.json)
     setup_tracing(role, instance, config.tracing)
     log = get_logger(role)
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(started_executor(default_workers(), "asyncio"))  # to_thread's, up front
     bus = await Bus.connect(config.bus, f"{role}-{instance}")
     ctx = ServiceContext(role, instance, config, bus)
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stop.set)
     reporter = None

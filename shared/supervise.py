@@ -9,7 +9,8 @@ Before `arm()` (start-up) an exit is fatal: it is recorded in `failed` and `fail
 the launcher can say which service did not start. After `arm()`, a child that exits non-zero or by a
 signal is restarted after a backoff (0.5 s doubling to 10 s; back to 0.5 s once a run lasted
 `reset_after_s`); one that exits 0 stays stopped (a clean stop, as systemd's on-failure). The others
-keep running either way.
+keep running either way. Every such exit is reported to `on_exit` the moment waitpid returns (the
+launcher announces it on the bus: infra/exits.py).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Supervisor:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     say: Callable[[str], None] = print                           # one console line per event
     on_change: Callable[["Supervisor"], None] = lambda s: None    # after any spawn/exit (state file)
+    on_exit: Callable[[str, subprocess.Popen, int], None] = lambda name, proc, code: None  # a child ended on its
+    #                                          own (not stopped by us): called at once, on the supervisor thread
     clock: Callable[[], float] = time.monotonic
     children: dict[str, Child] = field(default_factory=dict)      # in start order
     failed: list[str] = field(default_factory=list)               # exits before arm()
@@ -149,6 +152,7 @@ class Supervisor:
         if child is None or child.process is not proc or self._stopping:
             return  # an earlier run of a restarted child, or we are stopping it ourselves
         child.last_exit = describe_exit(returncode)
+        self.on_exit(name, proc, returncode)
         if not self._armed:
             self.failed.append(name)
             self.failed_event.set()

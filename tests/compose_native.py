@@ -209,7 +209,7 @@ def native_plan(model: dict, scratch: Path, alloc: Callable[[], int]) -> NativeP
         ports.listeners.update((name, p) for p in IMAGE_PORTS.get(_image(svc), ()))
     launches = {}
     for name, svc in services.items():
-        if "build" in svc and (svc.get("command") or [""])[0] == "serve":
+        if "build" in svc and (svc.get("command") or [""])[0] in ("serve", "watch"):
             launches[name] = _moorage(name, svc, rw, scratch)
         elif _image(svc) == "nats":
             launches[name] = _nats(name, svc, rw, scratch)

@@ -402,3 +402,36 @@ async def test_load_all_subscriber_sees_no_requests(bus, other):
     await asyncio.sleep(0.05)
     assert loads == [bus.subjects.load("gate", "g0")]
     assert len(admits) == 1
+
+
+async def test_close_with_a_handler_still_running_is_bounded_and_leaves_nothing_unread(bus, other):
+    """A service stopping while a handler still works (issue 33 saw it at every prefill stop): close() ends
+    within the drain bound and leaves no failed future behind ("_GatheringFuture exception was never
+    retrieved", logged when the garbage collector finds it)."""
+    import gc
+    import time as _time
+
+    from shared.bus import DRAIN_TIMEOUT_S
+
+    started = asyncio.Event()
+    unread: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+
+    async def slow(msg, raw):
+        started.set()
+        await asyncio.sleep(30)
+
+    await other.subscribe(other.subjects.cancel_all, Cancel, slow)
+    await subscribed(other)
+    await bus.publish(bus.subjects.cancel("r1"), Cancel("r1"))
+    await asyncio.wait_for(started.wait(), 5)
+    t0 = _time.monotonic()
+    await other.close()
+    assert _time.monotonic() - t0 < DRAIN_TIMEOUT_S + 2
+    assert other.nc.is_closed
+    for _ in range(3):
+        await asyncio.sleep(0.05)
+        gc.collect()
+    loop.set_exception_handler(None)
+    assert [c.get("message") for c in unread] == []

@@ -86,7 +86,10 @@ def test_render_points_every_instance_at_the_cluster(tmp_path):
     assert units == ["moorage-hugepages.service", "moorage-store@2.service", "moorage-decode@0.service",
                      "moorage.target"]
     assert (tmp_path / "out" / "h1" / "etc" / "moorage" / "env").stat().st_mode & 0o777 == 0o600
-    assert "/srv/moorage/.venv/bin/moorage serve store" in (tmp_path / "out/h3/systemd/moorage-store@.service").read_text()
+    store_unit = (tmp_path / "out/h3/systemd/moorage-store@.service").read_text()
+    assert "/srv/moorage/.venv/bin/moorage serve store" in store_unit
+    # its end is announced on the bus, with the same config (issue 33: busy is not dead)
+    assert "ExecStopPost=-/srv/moorage/.venv/bin/moorage exited store --config /etc/moorage/store-%i.toml" in store_unit
 
 
 def test_rendered_nats_configs_are_valid_and_routed(tmp_path):

@@ -8,7 +8,8 @@ For every fault:
 - nothing leaked: once the load stops, the gate holds no reservation or budget and every prefill and
   decode has all its KV free and nothing running;
 - every request in flight at the fault ended cleanly (200, an SSE error event + [DONE], a 503 or 429
-  with Retry-After; a killed router can only drop its own connections), errors within ERROR_BOUND_S;
+  with Retry-After; a killed router can only drop its own connections), errors within ERROR_BOUND_S, and
+  within 1 s after kill -9 of decode, prefill, gate or store (their exit is announced on the bus);
 - no request anywhere got anything else (plain-text 500, hang, malformed body, cut stream);
 - a new request succeeded within the recovery bound: the issue's 10 s, except where noted below.
 
@@ -26,6 +27,10 @@ from bench.faults_run import unclean
 pytestmark = pytest.mark.slow
 
 ERROR_BOUND_S = 10.0  # the issue's 5 s for an affected request to end, with room for a loaded 2-core box
+# A process whose end its supervisor announces (InstanceExited, issue 33) ends the requests it affects at once:
+# within 1 s for these kills (measured 0.02-0.04 s). The router's own connections drop with it; a killed
+# nats-server or master is a bus or pool outage, whose requests keep ERROR_BOUND_S.
+ANNOUNCED_BOUND_S = {f"kill -9 {v}": 1.0 for v in ("decode-0", "prefill-0", "gate-0", "store-0")}
 # Where one process serves everything and no second instance can absorb its loss (1 decode, 1 router, 1 gate),
 # recovery is that process's restart: Python (+ torch and the model for decode) import, its first load report,
 # and for decode the router and gate seeing it. First success after kill -9 on the shared 2-core box (load
@@ -62,7 +67,7 @@ def test_fault_under_load(faults, fault: Fault):
     assert unclean(r) == [], f"in flight got {r.in_flight}: {r.others}"
     assert r.others == [], r.others
     assert r.error_end_s is None or r.error_end_s <= (ERROR_BOUND_S_OVERLOAD if fault.kind == "overload"
-                                                      else ERROR_BOUND_S)
+                                                      else ANNOUNCED_BOUND_S.get(fault.name, ERROR_BOUND_S))
     bound = RECOVERY_BOUND_S.get(fault.name, GOAL_S)
     assert r.first_success_s is not None and r.first_success_s <= bound, \
         f"first success {r.first_success_s} s after {fault.name} (bound {bound} s)"

@@ -126,7 +126,7 @@ def test_wait_then_expire_with_retry_after():
 
 
 def test_no_decode_known_waits_then_rejects_no_instance():
-    g = gate(admission_wait_s=1.0)
+    g = gate(admission_wait_s=1.0, instance_timeout_s=5.0)
     assert isinstance(g.admit("a", 10, 10, now=0), Wait)
     assert g.expire(now=0.5).rejected == []
     # Retry-After: the time a (re)started decode takes to be seen (instance_timeout_s)

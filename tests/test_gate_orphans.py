@@ -15,7 +15,7 @@ import time
 import opentelemetry.trace
 import pytest
 
-from services.gate.admission import Admission, Admitted, Wait
+from services.gate.admission import Admission, Admitted, Rejected, Wait
 from services.gate.config import GateSettings
 from services.router.config import RouterSettings
 from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
@@ -47,6 +47,33 @@ def test_a_restarted_router_frees_what_its_previous_process_held():
     assert a.counters["orphaned"] == 1 and a.counters["cancelled"] == 1
     assert a.release("r1", 3.0) == "duplicate"  # a late release of the dead process changes nothing
     a.check_integrity()
+
+
+def test_an_exited_router_loses_what_it_held_at_once_and_its_late_reports_change_nothing():
+    a = gate()
+    a.router_report("router-0", "boot-a", 0.0)
+    assert isinstance(a.admit("r1", 300, 100, 0.1, owner="boot-a"), Admitted)
+    assert isinstance(a.admit("r2", 300, 400, 0.1, owner="boot-a"), Wait)
+    dropped, waiting = a.router_exited("router-0", "boot-a", 0.2)
+    assert [r.request_id for r in dropped] == ["r1"] and waiting == ["r2"]
+    assert not a.reservations and not a.queue and a.counters["exited"] == 1
+    assert a.router_report("router-0", "boot-a", 0.3) == ([], []) and "boot-a" not in a.router_seen
+    assert a.router_exited("router-0", "", 0.4) == ([], [])  # nothing known of it any more
+    a.check_integrity()
+
+
+def test_an_exited_decode_is_not_chosen_until_a_new_process_reports():
+    a = gate()
+    a.report("decode-0", 1000, 1000, True, 0.0, boot="d1")
+    assert a.instance_exited("decode-0", "d1")
+    refused = a.admit("r1", 10, 10, 0.1)  # the only decode is gone: 503 with Retry-After, no wait
+    assert isinstance(refused, Rejected) and refused.unavailable
+    a.report("decode-0", 1000, 1000, True, 0.2, boot="d1")  # sent before it died, delivered after
+    assert isinstance(a.admit("r2", 10, 10, 0.2), Rejected)
+    a.report("decode-0", 1000, 1000, True, 1.0, boot="d2")  # restarted
+    assert isinstance(a.admit("r3", 10, 10, 1.0), Admitted)
+    assert not a.instance_exited("decode-0", "d0")  # an earlier process: the live one stays
+    assert a.live(a.instances["decode-0"], 1.1)
 
 
 def test_reports_without_a_boot_id_drop_nothing():

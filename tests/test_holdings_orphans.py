@@ -44,6 +44,15 @@ def test_a_holdings_that_cannot_be_read_ends_nothing():
     assert orphans(served, Holdings("", "b", []), 99.0, 5.0) == []
 
 
+def test_an_exited_router_orphans_everything_it_sent_without_grace():
+    from shared.holdings import exit_holdings
+    from shared.messages import InstanceExited
+
+    served = [Served("just-now", "router-0", 10.0), Served("old", "router-0", 0.0), Served("other", "router-1", 0.0)]
+    msg = exit_holdings(InstanceExited("router", "router-0", boot="b1", how="killed by SIGKILL"))
+    assert orphans(served, msg, now=10.0, grace_s=0.0) == ["just-now", "old"]
+
+
 # ---- Part 2: prefill --------------------------------------------------------------------------------------
 @pytest.fixture
 def engine(tiny):

@@ -259,6 +259,34 @@ def test_prefault_changes_no_byte():
     assert cpu_kv.prefault(pages, []) is False
 
 
+def test_prefault_populates_in_bounded_pieces(monkeypatch):
+    """One madvise holds the process's mmap lock for its whole range (a saturated host froze prefill for
+    seconds behind one 16 MiB call): prefault covers each run of blocks in calls of at most
+    POPULATE_PIECE_BYTES, contiguous and complete."""
+    layout = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64)
+    (pages,) = allocate_pages(layout, 64)
+    block_bytes = pages[0].numel() * pages.element_size()
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def madvise(addr, length, advice):
+            calls.append((addr, length))
+            return 0
+
+    monkeypatch.setattr(cpu_kv, "_libc", [Libc()])
+    blocks = [*range(2, 2 + 3 * cpu_kv.POPULATE_PIECE_BYTES // block_bytes + 3), 50]
+    assert cpu_kv.prefault(pages, blocks)
+    assert max(n for _, n in calls) <= cpu_kv.POPULATE_PIECE_BYTES
+    assert len(calls) >= 5  # the long run in four or more pieces, block 50 in one
+    base = pages.data_ptr()
+    runs = [(base + 2 * block_bytes, base + (blocks[-2] + 1) * block_bytes), (base + 50 * block_bytes, base + 51 * block_bytes)]
+    for lo, hi in runs:  # each run covered exactly, piece after piece (from its page-aligned start)
+        mine = sorted(c for c in calls if lo - cpu_kv._PAGE < c[0] < hi)
+        assert mine[0][0] == lo - lo % cpu_kv._PAGE and sum(n for _, n in mine) == hi - mine[0][0]
+        assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:]))
+
+
 def test_dispatch_default_on_cpu(monkeypatch):
     """The C backend when it builds, else the reference."""
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)

@@ -35,6 +35,8 @@ SAMPLES: dict[str, m.Message] = {
     "tokens": m.TokenChunk("r1", [5, 6], " world", finished=True, finish_reason="stop",
                            usage=make_usage(3, 2, {"device": 1}), error=None),
     "cancel": m.Cancel("r1", reason="client disconnected"),
+    "exited": m.InstanceExited("decode", "decode-0", boot="3f2a9c01b7de", how="killed by SIGKILL", pid=4242,
+                               source="moorage-up"),
     "load": m.LoadReport("decode-0", "decode", True, capacity_tokens=16384, free_tokens=1000, running=2,
                          waiting=1, queued_tokens=0, endpoint="10.0.0.2:1", detail={"committed": 500}),
     "kv_events": m.KVEventBatch("prefill-0", [{"type": "stored", "hashes": [1, 2**63], "medium": "device"},

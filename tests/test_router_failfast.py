@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.router.liveness import Gone, Liveness, LivenessMonitor, Watch
+from services.router.routing import LoadTable
 from shared.messages import LoadReport
 
 T = 3.0  # liveness timeout in the pure tests
@@ -107,6 +108,43 @@ def test_a_known_down_instance_fires_when_watched():
     live.report("decode", "decode-0", True, "", 2.0)  # back: watchable again
     _, again = watched(live, ("decode", "decode-0"), now=2.0)
     assert again.gone == []
+
+
+def test_an_announced_exit_ends_the_watches_at_once_and_busy_silence_does_not():
+    """Busy is not dead (issue 33): a process silent for less than the stall backstop keeps its requests,
+    whatever the reason (here a saturated host); its supervisor's InstanceExited ends them at once."""
+    live = Liveness(30.0)
+    _, fired = watched(live, ("decode", "decode-0"), ("prefill", "prefill-0"))
+    heartbeat(live, 0.0, 25.0)  # decode-0 and prefill-0 say nothing for 25 s: starved, not dead
+    assert fired.gone == []
+    live.exited("decode", "decode-0", "exited (killed by SIGKILL)")
+    assert fired.gone == [Gone("decode", "decode-0", "exited (killed by SIGKILL)")]
+    _, late = watched(live, ("decode", "decode-0"), now=25.5)  # watched after the exit: gone at once
+    assert late.gone == [Gone("decode", "decode-0", "exited (killed by SIGKILL)")]
+    live.report("decode", "decode-0", True, "", 27.0, boot="new")  # the restarted process reports ready
+    _, again = watched(live, ("decode", "decode-0"), now=27.0)
+    assert again.gone == []
+
+
+def test_the_load_table_drops_an_exited_instance_and_its_late_reports():
+    """The announcement takes the instance out of choice; a report its process sent before dying that
+    arrives after the announcement (another connection, no order between them) does not bring it back;
+    a late announcement of an earlier process changes nothing for the one reporting now."""
+    from shared.messages import InstanceExited
+
+    loads, heard = LoadTable(10.0), []
+    loads.exit_listeners.append(lambda msg, now: heard.append(msg.instance))
+    report = LoadReport("decode-0", "decode", True, capacity_tokens=100, free_tokens=100, boot="b1")
+    loads.update(report, 0.0)
+    assert [v.instance for v in loads.fresh("decode", 0.1)] == ["decode-0"]
+    assert loads.exited(InstanceExited("decode", "decode-0", boot="b1", how="killed by SIGKILL"), 0.2)
+    assert loads.fresh("decode", 0.2) == [] and heard == ["decode-0"]
+    loads.update(report, 0.3)  # sent by b1 before it died
+    assert loads.fresh("decode", 0.3) == []
+    loads.update(dataclasses.replace(report, boot="b2"), 2.0)  # the restarted process
+    assert [v.instance for v in loads.fresh("decode", 2.0)] == ["decode-0"]
+    assert not loads.exited(InstanceExited("decode", "decode-0", boot="b0"), 2.1)  # an earlier run: stale
+    assert [v.instance for v in loads.fresh("decode", 2.1)] == ["decode-0"] and heard == ["decode-0"]
 
 
 def test_an_instance_restarted_faster_than_the_timeout_is_gone_for_what_the_old_process_held():
@@ -315,6 +353,7 @@ def system(tmp_path_factory, tiny):
             "up.pool=false", "up.prefills=2", "up.ready_timeout_s=120",
             "decode.engine.num_blocks=1024", "prefill.engine.num_blocks=512",
             "router.router.routing=p2c",
+            "router.router.liveness_timeout_s=3",  # the stall backstop, short: SIGSTOP below tests it
             # what is killed stays dead here (no restart by `moorage up`, where the launcher supervises)
             *(["up.restart=no"] if "restart" in {f.name for f in dataclasses.fields(UpConfig().up)} else []),
         ])
@@ -367,8 +406,9 @@ def _pid(launcher, instance: str) -> int:
 
 def test_a_frozen_then_killed_prefill_costs_a_retry_not_a_request(system, tiny):
     """SIGSTOP prefill-0: requests it took are ended by the liveness watch (its reports stop) and retried
-    on prefill-1. Then kill -9 it: requests sent at once still find it in the routing table, get
-    "no responders" at submit, and are retried. Every answer equals the greedy reference."""
+    on prefill-1. Then kill -9 it: the launcher announces the exit (InstanceExited), the router takes it out
+    of the routing table within a second (silence alone would take instance_timeout_s), and requests sent
+    then all go to prefill-1. Every answer equals the greedy reference."""
     launcher, base, _ = system
     want = {p: reference(tiny, p) for p in PROMPTS}
     before = metric(base, "moorage_router_retries_total", role="prefill")
@@ -390,13 +430,17 @@ def test_a_frozen_then_killed_prefill_costs_a_retry_not_a_request(system, tiny):
             break
         time.sleep(0.2)
     before = metric(base, "moorage_router_retries_total", role="prefill")
+    killed = time.monotonic()
     os.kill(_pid(launcher, "prefill-0"), signal.SIGKILL)
-    launcher.procs["prefill-0"].wait(10)
+    while "prefill-0" in httpx.get(base + "/health", timeout=5).json().get("ready", {}).get("prefill", []):
+        assert time.monotonic() - killed < 1.0, "the router still routes to a prefill killed a second ago"
+        time.sleep(0.01)
+    out_of_table_s = time.monotonic() - killed
     results = asyncio.run(completions(base, PROMPTS, stream=True))
     assert [(s, t) for s, t, _ in results] == [(200, want[p]) for p in PROMPTS]
     killed_retries = metric(base, "moorage_router_retries_total", role="prefill") - before
-    assert killed_retries >= 1
-    print(f"prefill kill -9: {killed_retries:.0f} of {len(PROMPTS)} retried; seconds per request "
+    assert killed_retries == 0  # nothing was sent to the dead instance
+    print(f"prefill kill -9: out of the routing table after {out_of_table_s * 1e3:.0f} ms; seconds per request "
           f"{[round(d, 2) for _, _, d in results]}")
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from opentelemetry.trace import Status, StatusCode
@@ -39,6 +38,7 @@ from shared.handoff_check import MISMATCH, checksum
 from shared.logging import get_logger
 from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import tiling_error, to_runs
+from shared.threads import started_executor
 from shared.tracing import extract_context, get_tracer
 from shared.transfer import KVTransport
 
@@ -61,7 +61,7 @@ class DirectPages:
         self.block_bytes = self.layout.block_bytes
         self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
         self.inline_bytes = INLINE_VERIFY_BYTES
-        self._early = ThreadPoolExecutor(1, thread_name_prefix="decode-verify-early")  # checks on PagesLanded
+        self._early = started_executor(1, "decode-verify-early")  # checks on PagesLanded
         self.reason = ("transfer.direct is false" if not enabled else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)

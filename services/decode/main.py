@@ -27,9 +27,10 @@ from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
-from shared.holdings import ORPHAN_REASON, Served, orphans
-from shared.messages import (Ack, Cancel, HandoffDone, Holdings, LoadReport, PagesGrant, PagesLanded, PagesReleased,
-                             PagesRequest, SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info, make_usage)
+from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
+from shared.messages import (Ack, Cancel, HandoffDone, Holdings, InstanceExited, LoadReport, PagesGrant, PagesLanded,
+                             PagesReleased, PagesRequest, SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info,
+                             make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, LandingSlots
@@ -141,10 +142,15 @@ class DecodeService:
         if dropped or a is not None:
             self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
-    async def on_holdings(self, msg: Holdings, raw) -> None:
+    async def on_exited(self, msg: InstanceExited, raw) -> None:
+        """A router's process ended (its supervisor said so): everything it sent here is orphaned now."""
+        if msg.role == "router":
+            await self.on_holdings(exit_holdings(msg), raw, grace_s=0.0)
+
+    async def on_holdings(self, msg: Holdings, raw, grace_s: float | None = None) -> None:
         """Stop generating what the router no longer holds (shared/holdings.py): its router was restarted."""
         served = [Served(rid, a.router, a.adopted) for rid, a in self.active.items()]
-        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s):
+        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s if grace_s is None else grace_s):
             self.log.warning("orphaned request ended", request_id=rid, router=msg.router)
             await self.on_cancel(Cancel(rid, ORPHAN_REASON), None)
 
@@ -235,6 +241,7 @@ async def serve(ctx: ServiceContext) -> None:
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
+    await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     expiry = asyncio.create_task(svc.expire_landings())
     ctx.load_report = svc.load_report
 

@@ -28,6 +28,10 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
 - `release` ends a reservation (or cancels a waiting request). It is idempotent: a duplicate or
   unknown id changes nothing and is only counted; an unknown one is remembered, so its admit, if it
   arrives after all (the bus delivers them on separate subscriptions), is refused instead of reserved.
+- `instance_exited` / `router_exited`: a supervisor announced that a process ended (InstanceExited). A
+  decode is out of choice at once (its late reports are ignored); what a router process held is dropped
+  at once (counted "exited"), as for a restarted one. Silence is only the backstop above: a busy peer is
+  never dropped for a few seconds without a report.
 - `reconcile` takes a router's list of what it may still hold (`Holdings`): what that router process
   holds here, is not listed and is older than `holdings_grace_s` lost its Release (to a bus outage);
   it is dropped (counted "reconciled").
@@ -37,13 +41,14 @@ Pure bookkeeping: no clock, no I/O. Every call takes `now` (monotonic seconds) w
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
 from services.gate.config import GateSettings
 
 NO_INSTANCE = "no decode instance available"  # the router maps this rejection to 503, others to 429
 _FINISHED_MEMORY = 65536  # released/expired ids remembered to tell a duplicate release from an unknown one
+_DEAD_BOOTS = 8  # per instance: the ended processes whose late load reports are ignored
 
 
 # ---- what admit / drain / expire return ----------------------------------------------------------
@@ -93,6 +98,7 @@ class Instance:
     ready: bool = False
     last_seen: float = 0.0
     reserved: int = 0  # sum of our reservations on it
+    boot: str = ""     # the reporting process's incarnation
 
     @property
     def committed(self) -> int:
@@ -137,21 +143,52 @@ class Admission:
         self._since: float | None = None  # first time we were asked anything (the window's start, early on)
         self.counters = dict(admitted=0, rejected=0, invalid=0, released=0, cancelled=0, expired=0,
                              release_duplicate=0, release_unknown=0, orphaned=0, reconciled=0, router_gone=0,
-                             admit_after_release=0)
+                             admit_after_release=0, exited=0)
         self.routers: dict[str, str] = {}  # router instance -> the boot id of its process, from its load reports
         self.router_seen: dict[str, float] = {}  # router process (boot id) -> when it last reported
+        self.dead: defaultdict[tuple[str, str], deque[str]] = defaultdict(lambda: deque(maxlen=_DEAD_BOOTS))
+        #                                             (role, instance) -> boots announced exited (InstanceExited)
 
     # ---- decode instances --------------------------------------------------------------------
-    def report(self, instance: str, capacity_tokens: int, free_tokens: int, ready: bool, now: float) -> None:
-        """A decode load report. `ready=False` (a goodbye) takes the instance out of choice."""
+    def report(self, instance: str, capacity_tokens: int, free_tokens: int, ready: bool, now: float,
+               boot: str = "") -> None:
+        """A decode load report. `ready=False` (a goodbye) takes the instance out of choice; a report from a
+        process announced exited (sent before it ended, delivered after) changes nothing."""
         if self._since is None:
             self._since = now
+        if boot and boot in self.dead[("decode", instance)]:
+            return
         inst = self.instances.setdefault(instance, Instance(instance))
+        inst.boot = boot or inst.boot
         inst.capacity_tokens = max(0, int(capacity_tokens))
         inst.free_tokens = min(max(0, int(free_tokens)), inst.capacity_tokens)
         inst.budget = int(inst.capacity_tokens * self.settings.budget_fraction)
         inst.ready = bool(ready)
         inst.last_seen = now
+
+    def instance_exited(self, instance: str, boot: str) -> bool:
+        """A decode's process ended (InstanceExited): out of choice until a new process reports. Its
+        reservations stay until their routers release them (their requests fail on the same announcement).
+        False when another process than the one that ended reports under that name now."""
+        if boot:
+            self.dead[("decode", instance)].append(boot)
+        inst = self.instances.get(instance)
+        if inst is None or (boot and inst.boot and inst.boot != boot):
+            return False
+        inst.ready = False
+        return True
+
+    def router_exited(self, instance: str, boot: str, now: float) -> tuple[list[Reservation], list[str]]:
+        """A router's process ended (InstanceExited): what it held can never be released. Its reservations
+        are dropped (counted "exited") and its waiting requests dequeued, at once. Returns both."""
+        owner = boot or self.routers.get(instance, "")
+        if not owner:
+            return [], []
+        self.dead[("router", instance)].append(owner)
+        self.router_seen.pop(owner, None)
+        if self.routers.get(instance) == owner:
+            del self.routers[instance]
+        return self._drop_owner(owner, "exited", now)
 
     def live(self, inst: Instance, now: float) -> bool:
         return inst.ready and inst.budget > 0 and now - inst.last_seen <= self.settings.instance_timeout_s
@@ -280,6 +317,8 @@ class Admission:
         """A router's load report. When `instance` reports another process than before (it was restarted,
         e.g. after kill -9), what its previous process held can never be released: its reservations are
         dropped (counted "orphaned") and its waiting requests taken out of the queue. Returns both."""
+        if boot in self.dead[("router", instance)]:  # sent before it ended, delivered after its announcement
+            return [], []
         old = self.routers.get(instance)
         if boot:
             self.routers[instance] = boot

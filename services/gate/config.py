@@ -15,12 +15,12 @@ class GateSettings:
     max_input_tokens: int = 0           # 0: no limit beyond the decode capacity
     max_output_tokens: int = 0          # 0: no limit beyond the decode capacity
     reservation_ttl_s: float = 900.0    # a reservation never released (its router died) expires after this
-    instance_timeout_s: float = 5.0     # a decode whose last load report is older is not chosen
+    instance_timeout_s: float = 10.0    # a decode whose last load report is older is not chosen (one announced exited is out at once)
     retry_after_s: float = 1.0          # least Retry-After sent with a rejection (it is estimated from the queue)
     retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
     release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
     holdings_grace_s: float = 5.0       # a reservation a router's Holdings no longer lists is dropped once this old
-    router_timeout_s: float = 30.0      # a router process with no load report this long is gone: what it holds is dropped and its requests cancelled (0: off; keep it well above the routers' load_interval_s)
+    router_timeout_s: float = 30.0      # stall backstop: a router process with no load report this long is gone, what it holds is dropped and its requests cancelled (an announced exit does that at once; 0: off; keep it well above the routers' load_interval_s)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget_fraction <= 1.0:

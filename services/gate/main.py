@@ -6,6 +6,8 @@
   here and is answered later by the tick loop, so the subscription never blocks.
 - `moorage.gate.release`: Release. `moorage.load.decode.*`: decode LoadReports (capacity, free KV).
 - `moorage.router.holdings`: a router's Holdings; what it no longer lists is dropped (Admission.reconcile).
+- `moorage.exited.>`: InstanceExited. A decode leaves the choice; a router's reservations and waiting
+  admits are dropped and its requests cancelled at once (Admission.instance_exited / router_exited).
 - Every TICK_S (or at once after a release or a load report) the loop drains the queue and expires
   what waited too long. The gate's own LoadReport carries the admission counters in `detail`.
 """
@@ -23,8 +25,8 @@ from opentelemetry import trace
 
 from services.gate.admission import Admission, Admitted, Invalid, Rejected, Reservation, Wait
 from shared.bus import Bus
-from shared.messages import (AdmitReply, AdmitRequest, Cancel, Holdings, LoadReport, MessageError, Release, TokenChunk,
-                             error_info)
+from shared.messages import (AdmitReply, AdmitRequest, Cancel, Holdings, InstanceExited, LoadReport, MessageError,
+                             Release, TokenChunk, error_info)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -65,6 +67,7 @@ class Gate:
         await self.bus.subscribe(s.holdings, Holdings, self.on_holdings, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("decode", "*"), LoadReport, self.on_load, on_error=self.on_malformed)
         await self.bus.subscribe(s.load("router", "*"), LoadReport, self.on_router, on_error=self.on_malformed)
+        await self.bus.subscribe(s.exited_all, InstanceExited, self.on_exited, on_error=self.on_malformed)
         self.ctx.load_report = self.load_report
         loop_task = asyncio.create_task(self.loop())
 
@@ -146,8 +149,21 @@ class Gate:
 
     async def on_load(self, msg: LoadReport, raw: Msg) -> None:
         if msg.role == "decode":
-            self.admission.report(msg.instance, msg.capacity_tokens, msg.free_tokens, msg.ready, time.monotonic())
+            self.admission.report(msg.instance, msg.capacity_tokens, msg.free_tokens, msg.ready, time.monotonic(),
+                                  msg.boot)
             self.wake.set()
+
+    async def on_exited(self, msg: InstanceExited, raw: Msg) -> None:
+        """A supervisor saw a process end: a decode leaves the choice at once, a router's holdings go."""
+        if msg.role == "decode" and self.admission.instance_exited(msg.instance, msg.boot):
+            self.log.warning("decode exited: not chosen until it reports again", decode_instance=msg.instance,
+                             how=msg.how, source=msg.source)
+            self.wake.set()  # waiting admits go to another decode, or wait for this one's restart (admission_wait_s)
+        elif msg.role == "router":
+            dropped, waiting = self.admission.router_exited(msg.instance, msg.boot, time.monotonic())
+            if dropped or waiting:
+                await self.router_gone(dropped, waiting, f"exited ({msg.how})" if msg.how else "exited",
+                                       router=msg.instance)
 
     async def on_router(self, msg: LoadReport, raw: Msg) -> None:
         """A restarted router's first report frees what its previous process held (see Admission.router_report)."""
@@ -158,7 +174,7 @@ class Gate:
             await self.router_gone(dropped, waiting, "restarted", router=msg.instance)
 
     async def router_gone(self, dropped: list[Reservation], waiting: list[str], how: str, **where) -> None:
-        """A router process is gone (`how`: restarted, or silent past router_timeout_s): its reservations were
+        """A router process is gone (`how`: restarted, exited, or silent past router_timeout_s): its reservations were
         dropped and its waiting admits dequeued. Nobody reads those requests' tokens any more, so each gets
         a Cancel on the bus (prefill and decode stop it and free its KV) and a final error chunk (a router
         that was only frozen, and wakes, ends it with a 503 instead of waiting for tokens that never come);

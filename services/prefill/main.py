@@ -22,9 +22,9 @@ from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
-from shared.holdings import ORPHAN_REASON, Served, orphans
-from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, LoadReport, PrefillSubmit,
-                             TokenChunk, error_info, make_usage)
+from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
+from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport,
+                             PrefillSubmit, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -185,11 +185,16 @@ class PrefillService:
             span.set_attribute("decode_instance", p.decode)
         return p.decode
 
-    async def on_holdings(self, msg: Holdings, raw) -> None:
+    async def on_exited(self, msg: InstanceExited, raw) -> None:
+        """A router's process ended (its supervisor said so): everything it sent here is orphaned now."""
+        if msg.role == "router":
+            await self.on_holdings(exit_holdings(msg), raw, grace_s=0.0)
+
+    async def on_holdings(self, msg: Holdings, raw, grace_s: float | None = None) -> None:
         """End what the router no longer holds (shared/holdings.py), here and, by a Cancel on the bus, at
         its decode instance: e.g. a request submitted before the gate answered, whose router was killed."""
         served = [Served(rid, p.submit.router, p.since) for rid, p in self.pending.items()]
-        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s):
+        for rid in orphans(served, msg, time.monotonic(), self.holdings_grace_s if grace_s is None else grace_s):
             self.log.warning("orphaned request ended", request_id=rid, router=msg.router)
             cancel = Cancel(rid, ORPHAN_REASON)
             await self.on_cancel(cancel, None)
@@ -389,6 +394,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.prefill_assign(ctx.instance), DecodeAssign, svc.on_assign)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
+    await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first
     ctx.on_stop.append(events.stop)

@@ -32,8 +32,8 @@ class RouterSettings:
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit
-    instance_timeout_s: float = 5.0    # a load report older than this: the instance is gone
-    liveness_timeout_s: float = 3.0    # a request whose prefill or decode is silent this long (or not ready) ends: 503
+    instance_timeout_s: float = 10.0   # an instance whose last load report is older is not chosen for new requests (one announced exited is out at once)
+    liveness_timeout_s: float = 30.0   # stall backstop: a request whose prefill or decode sent no load report this long ends (503); an exit announced by its supervisor, or a not-ready report, ends it at once
     graceful_shutdown_s: float = 5.0   # open streams get this long to finish on shutdown
     holdings_interval_s: float = 5.0   # how often the gate is told what this router still holds (frees lost Releases)
 

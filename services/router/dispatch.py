@@ -70,6 +70,7 @@ class RouterState:
     def __post_init__(self) -> None:
         self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
         self.loads.listeners.append(self.monitor.on_report)
+        self.loads.exit_listeners.append(self.monitor.on_exit)
 
     @property
     def context_limit(self) -> int:

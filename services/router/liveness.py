@@ -2,11 +2,15 @@
 prefill and decode, fed by the load reports every service publishes each `load_interval_s`.
 
 An instance is *gone* for the requests that watch it when
+- its process ended: a supervisor announced it (InstanceExited, from `moorage up`, systemd's ExecStopPost
+  or `moorage watch`), within milliseconds of the exit. Busy is not dead: this is the fast path, and
+  silence below is only a stall-level backstop;
 - it says so: a report with ready=False (its engine loop is dead or stalled, `detail.unhealthy`, or the
   goodbye a service sends when it stops);
 - it was restarted: its report carries another process incarnation (`boot`) than before, however quickly
   the new process came back (what the old one held, such as an admit it never answered, is lost);
-- it fell silent: no report from it for `timeout_s` while the router kept hearing others. After the
+- it fell silent: no report from it for `timeout_s` (tens of seconds: a process alive but wedged, or a
+  host gone without a word; never a few seconds of CPU starvation) while the router kept hearing others. After the
   router itself heard nothing for a while (its event loop was blocked, or its bus was slow), every
   instance gets `timeout_s` again from the moment it hears again: the reports queued meanwhile arrive in
   a burst, in no useful order, and must not make anyone look silent;
@@ -15,7 +19,8 @@ An instance is *gone* for the requests that watch it when
   since the request started (what was published meanwhile is lost, so the stream may have missed tokens).
 
 `Liveness` is the bookkeeping, with time passed in. `LivenessMonitor` drives it from the event loop: the
-load-report callback pushes reports in, and one timer task shared by every request covers a silent bus.
+load-report and exit callbacks push reports and exits in, and one timer task shared by every request
+covers a silent bus.
 A watch fires at most once; then it is forgotten.
 """
 
@@ -25,7 +30,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.messages import LoadReport
+from shared.messages import InstanceExited, LoadReport
 
 Key = tuple[str, str]  # (role, instance)
 LATE_WAKE_S = 0.5      # the timer woke this much later than asked: the router's event loop was blocked
@@ -134,6 +139,13 @@ class Liveness:
             self.down.pop(k, None)
             self.boots.pop(k, None)
 
+    def exited(self, role: str, instance: str, reason: str) -> None:
+        """The instance's process ended (announced by its supervisor): its watches fire now, and so does any
+        watch added before a new process of that name reports ready."""
+        key = (role, instance)
+        self.down[key] = reason
+        self._fire_key(key, reason)
+
     def resume(self, now: float) -> None:
         """The router's own event loop was blocked until now: it heard nothing, but nobody was silent."""
         self.heard = self.resumed = now
@@ -174,6 +186,9 @@ class LivenessMonitor:
         self.liveness.check_bus(now, *self._bus_state())
         self.liveness.report(report.role, report.instance, report.ready,
                              "" if report.ready else not_ready_reason(report), now, report.boot)
+
+    def on_exit(self, msg: InstanceExited, now: float) -> None:
+        self.liveness.exited(msg.role, msg.instance, f"exited ({msg.how or 'announced by ' + (msg.source or '?')})")
 
     def watch(self, watch: Watch, role: str, instance: str) -> None:
         """Its timer depends only on when anything was last heard, not on what is watched: a running timer

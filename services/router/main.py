@@ -16,18 +16,20 @@ from services.router.dispatch import RouterState
 from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
 from shared.engine.models import load_tokenizer
-from shared.messages import Holdings, KVEventBatch, LoadReport
+from shared.messages import Holdings, InstanceExited, KVEventBatch, LoadReport
 from shared.ops_http import EmbeddedServer
 from shared.service import ServiceContext
 from shared.sockets import inherited, listen, url_of
 
 
-async def build_state(config: RouterConfig, bus) -> RouterState:
+async def build_state(config: RouterConfig, bus, boot: str = "") -> RouterState:
     s = config.router
     tokenizer, max_context = await asyncio.to_thread(load_tokenizer, s.model)
     loads = LoadTable(s.instance_timeout_s)
     picker = make_picker(s.routing, loads, s.session_idle_s, max_imbalance_tokens=s.cache_aware_max_imbalance_tokens)
     state = RouterState(s, bus, tokenizer, max_context, loads, picker, instance=config.instance)
+    if boot:  # the process's own incarnation (ServiceContext.boot): what an InstanceExited for it names
+        state.boot = boot
     if picker.index is not None:
         state.metrics.watch_index(picker.index)
     return state
@@ -48,12 +50,19 @@ async def publish_holdings(ctx: ServiceContext, state: RouterState) -> None:
 async def serve(ctx: ServiceContext) -> None:
     config: RouterConfig = ctx.config
     s, log = config.router, ctx.log
-    state = await build_state(config, ctx.bus)
+    state = await build_state(config, ctx.bus, ctx.boot)
 
     async def on_load(report: LoadReport, _raw: Msg) -> None:
         state.picker.update(report, state.clock())
 
     await ctx.bus.subscribe(ctx.bus.subjects.load_all, LoadReport, on_load)
+
+    async def on_exited(msg: InstanceExited, _raw: Msg) -> None:
+        log.warning("instance exited", exited_role=msg.role, exited_instance=msg.instance, how=msg.how,
+                    source=msg.source, boot=msg.boot or None)
+        state.picker.exited(msg, state.clock())
+
+    await ctx.bus.subscribe(ctx.bus.subjects.exited_all, InstanceExited, on_exited)
 
     index = state.picker.index
     if index is not None:  # cache-aware routing: mirror every prefill's KV events (advisory)

@@ -20,7 +20,7 @@ namespace: events are advisory, so an index that missed some only routes less we
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -28,7 +28,7 @@ from typing import ClassVar
 from services.router.kv_index import KVIndex
 from shared.hashing import BLOCK_TOKENS, chain_hashes
 from shared.kv_tenant import KVNamespace
-from shared.messages import LoadReport
+from shared.messages import InstanceExited, LoadReport
 
 DEFAULT_MAX_IMBALANCE_TOKENS = 16384
 
@@ -52,6 +52,7 @@ class InstanceLoad:
     capacity_tokens: int = 0
     assigned_tokens: int = 0       # prompt tokens routed here since that report (not in it yet)
     kv_namespace: str = ""         # seeds the block hash chain of this instance's KV events
+    boot: str = ""                 # the reporting process's incarnation
 
     @property
     def load_key(self) -> tuple[int, int, int]:
@@ -60,23 +61,51 @@ class InstanceLoad:
 
 class LoadTable:
     """Latest report per (role, instance). Reports older than `instance_timeout_s` are stale.
-    `listeners` hear every report as it arrives (the router's liveness watch on in-flight requests)."""
+    `listeners` hear every report as it arrives (the router's liveness watch on in-flight requests), and
+    `exit_listeners` every InstanceExited that ends the instance's current process (`exited`)."""
+
+    DEAD_BOOTS_KEPT = 8  # per instance: reports of an ended process that arrive after its exit are dropped
 
     def __init__(self, instance_timeout_s: float):
         self.instance_timeout_s = instance_timeout_s
         self._loads: dict[tuple[str, str], InstanceLoad] = {}
+        self._dead: dict[tuple[str, str], deque[str]] = {}  # boots announced exited, per instance
         self.listeners: list[Callable[[LoadReport, float], None]] = []
+        self.exit_listeners: list[Callable[[InstanceExited, float], None]] = []
+
+    def from_dead(self, report: LoadReport) -> bool:
+        """A report its process sent before it ended, delivered after its InstanceExited (another connection)."""
+        return bool(report.boot) and report.boot in self._dead.get((report.role, report.instance), ())
 
     def update(self, report: LoadReport, now: float) -> None:
+        if self.from_dead(report):
+            return
         for listener in self.listeners:
             listener(report, now)
         self._loads[(report.role, report.instance)] = InstanceLoad(
             report.instance, report.role, report.ready, now, report.queued_tokens, report.running,
-            report.waiting, report.free_tokens, report.capacity_tokens, kv_namespace=kv_namespace(report))
+            report.waiting, report.free_tokens, report.capacity_tokens, kv_namespace=kv_namespace(report),
+            boot=report.boot)
         # forget instances silent for long (they may be gone for good): keeps the table bounded
         horizon = now - 10 * self.instance_timeout_s
         for key in [k for k, v in self._loads.items() if v.seen_at < horizon]:
             del self._loads[key]
+
+    def exited(self, msg: InstanceExited, now: float) -> bool:
+        """A supervisor saw `msg.instance`'s process end: it is out of choice (until a new process reports)
+        and the exit listeners hear it. False, changing nothing else, when another process than the one
+        that ended reports under that name now (a late announcement of an earlier run)."""
+        key = (msg.role, msg.instance)
+        if msg.boot:
+            self._dead.setdefault(key, deque(maxlen=self.DEAD_BOOTS_KEPT)).append(msg.boot)
+        load = self._loads.get(key)
+        if msg.boot and load is not None and load.boot and load.boot != msg.boot:
+            return False
+        if load is not None:
+            load.ready = False
+        for listener in self.exit_listeners:
+            listener(msg, now)
+        return True
 
     def fresh(self, role: str, now: float) -> list[InstanceLoad]:
         """Ready instances of `role` with a fresh report, sorted by name (deterministic)."""
@@ -226,6 +255,8 @@ class PrefillPicker:
         self._unreported: dict[str, float] = {}  # indexed instances without a report yet: since when
 
     def update(self, report: LoadReport, now: float) -> None:
+        if self.loads.from_dead(report):
+            return
         if self.index is not None:
             if report.role == "prefill":
                 old = self.loads.get("prefill", report.instance)
@@ -233,6 +264,11 @@ class PrefillPicker:
                     self.index.forget(report.instance)
             self.forget_gone(now)  # before the table drops long-silent instances
         self.loads.update(report, now)
+
+    def exited(self, msg: InstanceExited, now: float) -> None:
+        """An instance's process ended: out of choice at once, and a prefill's cache with it."""
+        if self.loads.exited(msg, now) and msg.role == "prefill" and self.index is not None:
+            self.index.forget(msg.instance)
 
     def forget_gone(self, now: float) -> None:
         """Forget the index entries of instances whose report is stale or not ready (their events may have

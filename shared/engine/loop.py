@@ -18,11 +18,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.engine.engine import Engine, StepFailed, StepOutput
 from shared.logging import get_logger
+from shared.threads import started_executor
 
 log = get_logger("engine.loop")
 
@@ -51,7 +51,7 @@ class EngineLoop:
         self._pending: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # set (and replaced) whenever engine state may have changed
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._executor = started_executor(1, "engine")  # started now, not at the first step (shared/threads.py)
         self._task: asyncio.Task | None = None
         self.steps = 0
 

@@ -32,7 +32,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.handoff_check import checksum
 from shared.kv_layout import KVLayout
-from shared.messages import Cancel, HandoffDone, PagesLanded, PagesReleased, PagesRequest
+from shared.messages import InstanceExited, Cancel, HandoffDone, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import PageWrite, expand_runs, plan, tiling_error, to_runs
 from shared.transfer import KVTransport, TransferConfig
 from tests.decode_zone import collect_chunks, handoff_pair, running_decode
@@ -342,6 +342,17 @@ async def _dropped_grants(decode, engine: Engine) -> None:
     await decode.zone.drop("r2")
     assert await decode.zone.expire(60.0) == [] and "r2" in decode.zone.quarantine
     await decode.zone.expire(0.0)
+    assert await free() == NUM_BLOCKS and not decode.zone.quarantine
+
+    # prefill died mid-write and its supervisor says so: its grants end at once, another prefill's stay
+    await decode.direct.grant(PagesRequest("r5", "prefill-0", 20, layout.block_layout))
+    await decode.direct.grant(PagesRequest("r6", "prefill-1", 20, layout.block_layout))
+    await decode.zone.drop("r5")
+    await decode.zone.drop("r6")
+    assert {"r5", "r6"} <= set(decode.zone.quarantine)
+    await decode.on_exited(InstanceExited("prefill", "prefill-0", boot="b1", how="killed by SIGKILL"), None)
+    assert set(decode.zone.quarantine) == {"r6"} and await free() == NUM_BLOCKS - 2
+    await decode.direct.released(PagesReleased("r6"))
     assert await free() == NUM_BLOCKS and not decode.zone.quarantine
 
     # a HandoffDone for a dropped request ends its quarantine too, and is refused

@@ -102,7 +102,8 @@ class DirectPages:
             if zone.is_cancelled(rid) or rid in zone.landings:  # cancelled, or a duplicate request won, meanwhile
                 await zone.loop.call(lambda: zone.engine.block_manager.release(blocks))
                 continue
-            zone.landings[rid] = Landing(blocks, msg.num_tokens, n_blocks * self.block_bytes, writes_over=False)
+            zone.landings[rid] = Landing(blocks, msg.num_tokens, n_blocks * self.block_bytes, writes_over=False,
+                                         writer=msg.prefill_instance)
             zone._spawn(zone._prefault(blocks))  # while prefill reads the grant and starts writing
         landing = zone.landings[rid]
         if landing.writes_over:  # a staged landing of the same id

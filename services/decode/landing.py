@@ -79,6 +79,7 @@ class Landing:
     writes_over: bool = True  # False while a direct handoff may still write into `blocks` (services/decode/direct.py)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
     checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
+    writer: str = ""       # direct: the prefill instance writing into `blocks`
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())
@@ -339,6 +340,18 @@ class LandingZone:
             landing.writes_over = True
             if landing.dropped:
                 await self._free_if_idle(landing)
+
+    async def writer_exited(self, prefill: str) -> list[str]:
+        """A prefill's process ended (InstanceExited): it writes nothing more into the blocks it was granted,
+        so a dropped landing of its can go back now rather than after transfer.timeout_s (a kill -9 of
+        prefill left 624 tokens quarantined past the fault suite's quiet window). Its landings not yet
+        dropped stay until their router's Cancel drops them; their writes are over either way. A restarted
+        prefill of that name cannot hold a grant yet: its exit is announced within milliseconds, its
+        successor starts after a backoff and a model load."""
+        ended = [rid for rid, l in (*self.landings.items(), *self.quarantine.items()) if l.writer == prefill]
+        for rid in ended:
+            await self.writes_ended(rid)
+        return ended
 
     async def _free_if_idle(self, landing: Landing) -> None:
         if landing.scattering == 0 and landing.writes_over and landing.blocks:

@@ -143,9 +143,14 @@ class DecodeService:
             self.log.info("cancelled", request_id=msg.request_id, reason=msg.reason)
 
     async def on_exited(self, msg: InstanceExited, raw) -> None:
-        """A router's process ended (its supervisor said so): everything it sent here is orphaned now."""
+        """A process ended (its supervisor said so): everything a router sent here is orphaned now, and the
+        blocks a prefill was writing into are its no more."""
         if msg.role == "router":
             await self.on_holdings(exit_holdings(msg), raw, grace_s=0.0)
+        elif msg.role == "prefill":
+            ended = await self.zone.writer_exited(msg.instance)
+            if ended:
+                self.log.info("writer exited: its grants end", prefill_instance=msg.instance, requests=len(ended))
 
     async def on_holdings(self, msg: Holdings, raw, grace_s: float | None = None) -> None:
         """Stop generating what the router no longer holds (shared/holdings.py): its router was restarted."""

@@ -1,7 +1,8 @@
 """The router's HTTP API: an OpenAI-compatible FastAPI app over a RouterState (bus, tokenizer, loads), behind
 HotRoutes, which serves the two generation routes without FastAPI's layers.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (see generate.py), GET /v1/models, GET /health
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic), POST /v1/responses
+(see generate.py and api_*.py), POST /v1/messages/count_tokens, GET /v1/models, GET /health
 (200 only while a ready gate, prefill and decode have reported recently), GET /metrics (Prometheus; needs
 the API key when router.metrics_require_key), GET /openapi.json (openapi.py).
 Every error, including FastAPI's own (422 validation, 404 route, 405 method), is an OpenAI error object.
@@ -17,13 +18,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openapi
+from services.router.api_anthropic import CountTokensRequest, Messages, conversation, error_body
+from services.router.api_openai import ChatCompletions, Completions
+from services.router.api_responses import Responses
 from services.router.dispatch import RouterState
 from services.router.generate import Generation
-from services.router.prepare import authorize
+from services.router.prepare import authorize, count_tokens
 from services.router.schemas import OpenAIError
 
 REQUIRED_ROLES = ("gate", "prefill", "decode")
-HOT_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+HOT_ROUTES = {"/v1/completions": Completions(), "/v1/chat/completions": ChatCompletions(),  # path -> its Api
+              "/v1/messages": Messages(), "/v1/responses": Responses()}
 
 
 class HotRoutes:
@@ -37,8 +42,8 @@ class HotRoutes:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        chat = HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if chat is None:
+        api = HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if api is None:
             await self.app(scope, receive, send)
             return
         started = False
@@ -49,11 +54,11 @@ class HotRoutes:
             await send(message)
 
         try:
-            await Generation(self.state, Request(scope, receive), chat=chat).respond(scope, receive, sending)
+            await Generation(self.state, Request(scope, receive), api).respond(scope, receive, sending)
         except Exception:  # Generation answers its own errors: this is a bug; never a plain-text 500
             if started:
                 raise
-            await OpenAIError(500, "internal error in the router").response()(scope, receive, send)
+            await api.error_response(OpenAIError(500, "internal error in the router"))(scope, receive, send)
 
 
 def create_app(state: RouterState) -> HotRoutes:
@@ -93,13 +98,26 @@ def create_fastapi(state: RouterState) -> FastAPI:
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         return OpenAIError(500, "internal error in the router").response()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await Generation(state, request, chat=True).run()
+    def generation_route(path: str) -> None:
+        api = HOT_ROUTES[path]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await Generation(state, request, chat=False).run()
+        async def generate(request: Request) -> Response:
+            return await Generation(state, request, api).run()
+
+        app.post(path, name=api.endpoint)(generate)
+
+    for path in HOT_ROUTES:
+        generation_route(path)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> JSONResponse:
+        """Anthropic's token count of a Messages request: the prompt it would render to here."""
+        try:
+            authorize(state, request)
+            body = Messages.validate(CountTokensRequest, await request.body())
+            return JSONResponse({"input_tokens": count_tokens(state, body.model, conversation(body))})
+        except OpenAIError as e:
+            return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

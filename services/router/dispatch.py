@@ -26,10 +26,12 @@ import nats.errors
 from opentelemetry import trace
 
 from services.router.config import RouterSettings
+from services.router.guided import Guidance
 from services.router.liveness import Gone, LivenessMonitor, Watch
 from services.router.metrics import RouterMetrics
 from services.router.routing import LoadTable, PrefillPicker
 from services.router.schemas import OpenAIError
+from services.router.tool_calls import ToolFormat, format_for
 from shared.bus import Bus, PayloadTooLarge
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign, MessageError, PrefillSubmit, Release,
@@ -66,8 +68,12 @@ class RouterState:
     #                                                               router's gate reservations are freed by it
     instance: str = ""  # this router's name on the bus: engines match its Holdings to what it sent them
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
+    guidance: Guidance = field(init=False)              # grammars for required calls and JSON answers
+    tool_format: ToolFormat = field(init=False)         # how this model writes a tool call
 
     def __post_init__(self) -> None:
+        self.guidance = Guidance(self.tokenizer)
+        self.tool_format = format_for(getattr(self.tokenizer, "chat_template", ""))  # (tests build it without one)
         self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
         self.loads.listeners.append(self.monitor.on_report)
         self.loads.exit_listeners.append(self.monitor.on_exit)

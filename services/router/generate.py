@@ -24,10 +24,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.router.api import Api, Shaper
+from services.router.api_openai import make_usage
 from services.router.dispatch import Avoid, Dispatch, InstanceLost, Job, RouterState
 from services.router.metrics import CLIENT_CLOSED
 from services.router.prepare import prepare
-from services.router.responses import DONE, Shaper, make_usage, sse
 from services.router.schemas import OpenAIError
 from shared.logging import get_logger
 from shared.messages import TokenChunk
@@ -89,9 +90,9 @@ class _Stream(StreamingResponse):
 
 
 class Generation:
-    def __init__(self, state: RouterState, request: Request, chat: bool):
-        self.state, self.request, self.chat = state, request, chat
-        self.endpoint = "chat" if chat else "completions"
+    def __init__(self, state: RouterState, request: Request, api: Api):
+        self.state, self.request, self.api = state, request, api
+        self.endpoint = api.endpoint
         self.t0 = state.clock()
         self.request_id = f"req-{uuid.uuid4().hex}"
         h = request.headers
@@ -122,21 +123,24 @@ class Generation:
     async def run(self) -> Response:
         out = self.outcome = Outcome()
         try:
-            job, body = await prepare(self.state, self.request, self.chat, self.request_id,
-                                      self.session_id)
+            job, prepared = await prepare(self.state, self.request, self.api, self.request_id, self.session_id)
+            if job.session_id != self.session_id:  # named by the body or the conversation, not a header
+                self.session_id = job.session_id
+                self.log = self.log.bind(session_id=job.session_id)
+                self.span.set_attribute("session_id", job.session_id or "")
             self.span.add_event("prepared")
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
-                                      "stream": bool(body.stream)})
+                                      "stream": prepared.parsed.stream,
+                                      "guided": bool(job.sampling.get("grammar"))})
             self.state.metrics.open_requests.opened()
-            shaper = Shaper(self.chat, self.request_id, body.model, body.include_usage)
-            return await self._attempts(job, body, shaper)
+            return await self._attempts(job, prepared.parsed.stream, self.api.shaper(prepared, self.request_id))
         except OpenAIError as e:
             out.status, out.reason = e.status, ("timeout" if e.status == 504 else "error")
             if e.status >= 500:
                 self.log.warning("request failed", status=e.status, error=e.message,
                                  **({"detail": e.detail} if isinstance(e, InstanceLost) else {}))
             e.headers.setdefault("X-Request-ID", self.request_id)
-            return e.response()
+            return self.api.error_response(e)
         except ClientGone:
             out.status, out.reason = CLIENT_CLOSED, "client_disconnect"
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it
@@ -148,23 +152,23 @@ class Generation:
             # a CancelledError that leaked out of a library: uvicorn would answer it with a plain-text 500
             self.log.warning("request interrupted")
             out.status = 503
-            return OpenAIError(503, "the request was interrupted", code="service_unavailable",
-                               headers={"Retry-After": "1", "X-Request-ID": self.request_id}).response()
+            return self.api.error_response(OpenAIError(503, "the request was interrupted", code="service_unavailable",
+                                                       headers={"Retry-After": "1", "X-Request-ID": self.request_id}))
         except Exception:
             self.log.exception("request failed")
-            return OpenAIError(500, INTERNAL_ERROR, headers={"X-Request-ID": self.request_id}).response()
+            return self.api.error_response(OpenAIError(500, INTERNAL_ERROR, headers={"X-Request-ID": self.request_id}))
         finally:
             if not out.handed_off and not self._defer_finish:
                 await self._finish(out.status, out.usage, out.reason)
 
-    async def _attempts(self, job: Job, body, shaper: Shaper) -> Response:
+    async def _attempts(self, job: Job, stream: bool, shaper: Shaper) -> Response:
         """At most MAX_ATTEMPTS dispatches: another one only after InstanceLost, while the client has
         received nothing."""
         deadline, avoid = self.t0 + self.state.settings.request_timeout_s, Avoid()
         for attempt in range(MAX_ATTEMPTS):
             self.dispatch = Dispatch(self.state, job, self.span, self.log, deadline, attempt, avoid)
             try:
-                return await self._attempt(job, body, shaper)
+                return await self._attempt(job, stream, shaper)
             except InstanceLost as lost:
                 avoid = self._retry_plan(lost, attempt, deadline)
                 if avoid is None:
@@ -193,12 +197,12 @@ class Generation:
         return Avoid(prefill=d.prefill if state.others("prefill", d.prefill) else None,
                      decode=d.decode if state.others("decode", d.decode) else None)
 
-    async def _attempt(self, job: Job, body, shaper: Shaper) -> Response:
+    async def _attempt(self, job: Job, stream: bool, shaper: Shaper) -> Response:
         """One dispatch up to the response: a stream once the first token is there, else the whole body."""
         out = self.outcome
-        first, collected = await self._unless_gone(self._until_answer(body.stream))  # one disconnect watch
+        first, collected = await self._unless_gone(self._until_answer(stream))  # one disconnect watch
         headers = {"X-Request-ID": self.request_id}
-        if body.stream:
+        if stream:
             out.handed_off = True
             return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
                            headers={**headers, "Cache-Control": "no-cache"})
@@ -253,25 +257,21 @@ class Generation:
     async def _stream(self, chunk: TokenChunk, shaper: Shaper, job: Job):
         status, usage, reason = CLIENT_CLOSED, None, "client_disconnect"
         try:
-            if self.chat:
-                yield sse(shaper.role_chunk())
+            if head := shaper.start():
+                yield head
             while True:
                 if chunk.error:
                     err = chunk_error(chunk, self.dispatch)
                     status, reason = err.status, "error"
-                    yield sse(err.body())
-                    yield DONE
+                    yield shaper.error(err)
                     return
                 self.completion_tokens += len(chunk.token_ids)
-                if chunk.text or chunk.finished:
-                    yield sse(shaper.delta_chunk(chunk.text, (chunk.finish_reason or "stop") if chunk.finished
-                                                 else None))
+                if chunk.text and (part := shaper.delta(chunk.text)):
+                    yield part
                 if chunk.finished:
                     usage = make_usage(chunk, len(job.prompt_ids), self.completion_tokens)
                     status, reason = 200, "finished"
-                    if shaper.include_usage:
-                        yield sse(shaper.usage_chunk(usage))
-                    yield DONE
+                    yield shaper.end(chunk.finish_reason or "stop", usage)
                     return
                 try:
                     chunk = await self.dispatch.next_chunk()
@@ -279,14 +279,12 @@ class Generation:
                     status, reason = e.status, ("timeout" if e.status == 504 else "error")
                     self.log.warning("stream failed", status=e.status, error=e.message,
                                      **({"detail": e.detail} if isinstance(e, InstanceLost) else {}))
-                    yield sse(e.body())
-                    yield DONE
+                    yield shaper.error(e)
                     return
         except Exception:
             status, reason = 500, "error"
             self.log.exception("stream failed")
-            yield sse(OpenAIError(500, INTERNAL_ERROR).body())  # the client still gets an end it can parse
-            yield DONE
+            yield shaper.error(OpenAIError(500, INTERNAL_ERROR))  # the client still gets an end it can parse
         finally:
             await self._finish(status, usage, reason)
 

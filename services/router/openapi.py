@@ -1,8 +1,9 @@
 """The router's published OpenAPI schema (GET /openapi.json).
 
-FastAPI lists the routes; the two generation endpoints read their raw body themselves (the API key is
-checked first, and every error keeps OpenAI's shape), so their request bodies are added here from the
-very pydantic models that validate them (schemas.py), with the error object every failure returns.
+FastAPI lists the routes; the generation endpoints read their raw body themselves (the API key is checked
+first, and every error keeps its API's shape), so their request bodies are added here from the very
+pydantic models that validate them, with the error object every failure returns (Anthropic's endpoints
+answer errors in Anthropic's shape instead).
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from services.router.api_anthropic import CountTokensRequest, MessagesRequest
+from services.router.api_responses import ResponsesRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
-BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+          "/v1/responses": ResponsesRequest}
 REF = "#/components/schemas/{model}"
 
 ERROR_RESPONSE = {

@@ -7,14 +7,17 @@ Every failure is an OpenAIError with a 4xx status.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import secrets
 
 from fastapi import Request
-from pydantic import ValidationError
 
+from services.router.api import Api, Parsed, Prepared
+from services.router.conversation import Conversation, render_prompt
 from services.router.dispatch import Job, RouterState
-from services.router.schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, from_validation_error
+from services.router.schemas import OpenAIError
 from shared.engine.sampling import SamplingParams
 from shared.messages import PrefillSubmit
 
@@ -25,20 +28,23 @@ _BUS_ROOM = 4096  # bytes the request's bus messages may add to its PrefillSubmi
 
 
 def authorize(state: RouterState, request: Request) -> str:
-    """The tenant of the request's API key: "" (the deployment's KV namespace) without keys or for a key
-    of router.api_keys. A missing or unknown key is a 401. Every key is compared (no early exit)."""
+    """The tenant of the request's API key (`Authorization: Bearer`, else `x-api-key`): "" (the deployment's KV
+    namespace) without keys or for a key of router.api_keys. A missing or unknown key is a 401. Every key is
+    compared (no early exit)."""
     keys = state.settings.key_tenants
     if not keys:
         return ""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":  # Anthropic's clients send x-api-key
+        token = request.headers.get("x-api-key", "")
     token = token.strip().encode()
     tenant = None
     for key, name in keys.items():
         if hmac.compare_digest(token, key.encode()):
             tenant = name
-    if scheme.lower() != "bearer" or tenant is None:
-        raise OpenAIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                          code="invalid_api_key")
+    if tenant is None:
+        raise OpenAIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>')", code="invalid_api_key")
     return tenant
 
 
@@ -61,15 +67,11 @@ def check_model(state: RouterState, model: str) -> None:
                                f"{state.settings.model_name!r}", param="model", code="model_not_found")
 
 
-def _prompt_ids(state: RouterState, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _prompt_ids(state: RouterState, parsed: Parsed) -> list[int]:
     tok = state.tokenizer
-    if isinstance(body, ChatCompletionRequest):
-        try:
-            return tok.chat_token_ids(body.template_messages())
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise OpenAIError(400, f"messages could not be rendered with the chat template: {e}",
-                              param="messages") from None
-    prompt = body.prompt
+    if parsed.conversation is not None:
+        return tok.encode(render_prompt(tok, parsed.conversation, state.tool_format))
+    prompt = parsed.prompt
     if isinstance(prompt, str):
         return tok.encode(prompt)
     if prompt and isinstance(prompt[0], str):
@@ -79,6 +81,17 @@ def _prompt_ids(state: RouterState, body: ChatCompletionRequest | CompletionRequ
     if bad is not None:
         raise OpenAIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
     return list(prompt)
+
+
+def conversation_key(conv: Conversation | None) -> str | None:
+    """A session name for a client that gives none: the conversation's opening (every turn up to and
+    including the first user turn), which each later turn of the same conversation repeats, and which two
+    sessions of one agent (same system prompt and tools) do not share."""
+    if conv is None:
+        return None
+    first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), len(conv.messages) - 1)
+    opening = json.dumps([[m["role"], m.get("content")] for m in conv.messages[:first_user + 1]], ensure_ascii=False)
+    return "conv-" + hashlib.blake2b(opening.encode(), digest_size=12).hexdigest()
 
 
 def _max_tokens(state: RouterState, requested: int | None, prompt_tokens: int, chat: bool) -> int:
@@ -94,34 +107,52 @@ def _max_tokens(state: RouterState, requested: int | None, prompt_tokens: int, c
     return max_tokens
 
 
-async def prepare(state: RouterState, request: Request, chat: bool, request_id: str, session_id: str | None):
-    """(Job, parsed body), or OpenAIError."""
+def count_tokens(state: RouterState, model: str, conv: Conversation) -> int:
+    """The prompt tokens a conversation renders to (Anthropic's count_tokens)."""
+    check_model(state, model)
+    conv.check()
+    state.guidance.check_tools(conv.tools)
+    return len(_prompt_ids(state, Parsed(model, conversation=conv)))
+
+
+def _prompt_and_grammar(state: RouterState, parsed: Parsed) -> tuple[list[int], str]:
+    conv = parsed.conversation
+    if conv is not None:
+        conv.check()
+    grammar = state.guidance.grammar(conv, state.tool_format) if conv is not None else ""
+    return _prompt_ids(state, parsed), grammar
+
+
+async def prepare(state: RouterState, request: Request, api: Api, request_id: str,
+                  session_id: str | None) -> tuple[Job, Prepared]:
+    """(Job, Prepared), or OpenAIError. `session_id`: the one the headers named, if any; else the body's,
+    else the conversation's opening (conversation_key)."""
     tenant = authorize(state, request)
     raw = await request.body()
-    cls = ChatCompletionRequest if chat else CompletionRequest
-    try:
-        body = cls.model_validate_json(raw or b"null")
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-    check_model(state, body.model)
+    parsed = api.parse(raw)
+    check_model(state, parsed.model)
     if len(raw) > _TOKENIZE_IN_THREAD:
-        prompt_ids = await asyncio.to_thread(_prompt_ids, state, body)
+        prompt_ids, grammar = await asyncio.to_thread(_prompt_and_grammar, state, parsed)
     else:
-        prompt_ids = _prompt_ids(state, body)
+        prompt_ids, grammar = _prompt_and_grammar(state, parsed)
     if not prompt_ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")
-    max_tokens = _max_tokens(state, body.requested_max_tokens(), len(prompt_ids), chat)
-    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    seed = body.seed
+    max_tokens = _max_tokens(state, parsed.max_tokens, len(prompt_ids), api.chat)
+    temperature = DEFAULT_TEMPERATURE if parsed.temperature is None else parsed.temperature
+    seed = parsed.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(63)  # fixed here: prefill and decode sample from one stream
     sampling = dict(max_tokens=max_tokens, temperature=float(temperature),
-                    top_p=1.0 if body.top_p is None else float(body.top_p), seed=seed,
-                    stop=body.stop_list(), stop_token_ids=[], ignore_eos=bool(body.ignore_eos))
+                    top_p=1.0 if parsed.top_p is None else float(parsed.top_p), seed=seed,
+                    stop=list(parsed.stop), stop_token_ids=[], ignore_eos=bool(parsed.ignore_eos), grammar=grammar)
     try:
         SamplingParams(**{**sampling, "stop": tuple(sampling["stop"])})
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
-    job = Job(request_id, session_id, prompt_ids, max_tokens, sampling, tenant=tenant)
-    check_bus_size(state, job, chat)
-    return job, body
+    conv = parsed.conversation
+    session = session_id or parsed.session_hint or conversation_key(conv)
+    job = Job(request_id, session, prompt_ids, max_tokens, sampling, tenant=tenant)
+    check_bus_size(state, job, api.chat)
+    reads_calls = conv is not None and conv.tools and conv.tool_choice.mode != "none"
+    return job, Prepared(parsed, len(prompt_ids), state.tool_format if reads_calls else None,
+                         conv.names if reads_calls else frozenset())

@@ -1,16 +1,18 @@
 """Request bodies of the OpenAI API (the fields the router honours) and OpenAI-shaped errors.
 
 Validation is strict about the types of known fields (a string where a number belongs is a 400, not a
-silent coercion) and tolerant of unknown fields (ignored), as OpenAI clients send many. OpenAI features
-the router does not implement (logprobs, tools / functions, n > 1, best_of, echo, suffix, a non-text
-response_format) are a 400 naming the field, never silently ignored; their neutral values (n=1,
-logprobs=false, response_format={"type": "text"}, ...) are accepted. The models double as the request
-bodies of the published OpenAPI schema (app.py).
+silent coercion) and tolerant of unknown fields (ignored), as OpenAI clients send many. Chat carries tool
+calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls`, `tool` turns) and
+`response_format` (text, json_object, json_schema). OpenAI features the router does not implement
+(logprobs, legacy `functions`, n > 1, best_of, echo, suffix, image or audio parts) are a 400 naming the
+field, never silently ignored; their neutral values (n=1, logprobs=false, ...) are accepted. The models
+double as the request bodies of the published OpenAPI schema (app.py).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -53,11 +55,15 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     err = next((e for e in errors if e["type"] == "value_error"), None) or max(errors, key=lambda e: len(e["loc"]))
     if err["type"] == "json_invalid":
         return OpenAIError(400, f"could not parse the request body as JSON: {err['msg']}")
-    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+    loc = ".".join(str(p) for i, p in enumerate(err["loc"])
+                   if not _is_union_tag(p) and not (i and isinstance(err["loc"][i - 1], int) and p in _ROLE_TAGS))
     if err["type"] == "model_type" and not loc:
         return OpenAIError(400, "the request body must be a JSON object")
     msg = err["msg"].removeprefix("Value error, ")
     return OpenAIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+_ROLE_TAGS = {"system", "developer", "user", "assistant", "tool"}  # a message's discriminator in an error's path
 
 
 def _is_union_tag(part: Any) -> bool:
@@ -72,8 +78,28 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Lenient):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+    def schema(self) -> dict | None:
+        """The JSON schema the answer must match, or None (plain text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.type == "json_schema" else None
 
 
 def _reject(field: str, what: str, *neutral):
@@ -92,23 +118,107 @@ class ContentPart(_Lenient):
 
     @model_validator(mode="after")
     def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported (only 'text')")
+        if self.type not in ("text", "input_text", "output_text"):
+            raise ValueError(f"content parts of type {self.type!r} are not supported (only 'text'): this model "
+                             "reads text only")
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' string")
         return self
 
 
-class ChatMessage(_Lenient):
-    role: Annotated[str, Field(min_length=1)]
+class FunctionCall(_Lenient):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v or "{}"), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("arguments must be a JSON object, as a string")
+        return v
+
+
+class ToolCallItem(_Lenient):
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedChoice(_Lenient):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, v: dict) -> dict:
+        if not isinstance(v.get("name"), str):
+            raise ValueError("tool_choice.function.name must be a string")
+        return v
+
+
+def message_text(content: str | list[ContentPart] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text or "" for p in content)
+
+
+class _Message(_Lenient):
     content: str | list[ContentPart] | None = None  # None: e.g. an assistant turn that only called tools
+    name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content)
+        return message_text(self.content)
+
+    def turn(self) -> dict:
+        """The message in the template convention (services/router/conversation.py)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCallItem] | None = None
+
+    def turn(self) -> dict:
+        out = super().turn()
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                                 for c in self.tool_calls]
+        return out
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: Annotated[str, Field(min_length=1)]
+
+    def turn(self) -> dict:
+        return {**super().turn(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class _GenerationRequest(_Lenient):
@@ -124,6 +234,7 @@ class _GenerationRequest(_Lenient):
     n: int | None = 1
     ignore_eos: bool | None = False  # extension (vLLM): keep generating past EOS
     user: str | None = None
+    prompt_cache_key: str | None = None  # names the session (routing), as OpenAI's prompt caching
 
     @field_validator("n")
     @classmethod
@@ -161,8 +272,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # not implemented: only their neutral values are accepted
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -170,23 +281,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _no_logprobs = _reject("logprobs", "logprobs are", False)
     _no_top_logprobs = _reject("top_logprobs", "top_logprobs are", 0)
-    _no_tools = _reject("tools", "tools (tool calling) are", [])
-    _no_tool_choice = _reject("tool_choice", "tool_choice other than 'none' or 'auto' is", "none", "auto")
-    _no_functions = _reject("functions", "functions (function calling) are", [])
-    _no_function_call = _reject("function_call", "function_call other than 'none' or 'auto' is", "none", "auto")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format of type {v.type!r} is not supported by this server (only 'text')")
-        return v
+    _no_functions = _reject("functions", "functions (legacy function calling; use tools) are", [])
+    _no_function_call = _reject("function_call", "function_call (legacy; use tool_choice) other than 'none' or "
+                                                 "'auto' is", "none", "auto")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_GenerationRequest):

@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.guide import GuideError, Guides
 from shared.engine.kv_sizing import parse_memory, size_kv
 from shared.engine.page_warmer import PageWarmer
 from shared.engine.model import LlamaModel
@@ -78,6 +80,11 @@ class StepOutput:
     finish_reason: str | None
 
 
+class GuideFailed(NamedTuple):
+    request_id: str
+    message: str
+
+
 class StepFailed(Exception):
     """A step raised while computing or sampling its batch. Its requests are aborted (their blocks
     released, retained ones included) and named here; the engine itself goes on."""
@@ -115,6 +122,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
+        self.guides = Guides(self.tokenizer, mc.vocab_size)  # constrained decoding (llguidance, built on first use)
+        self.guide_failures: list[GuideFailed] = []  # requests a grammar ended in a step (taken by the loop)
         self.stalled = False
         self.lock = threading.RLock()  # see step(): what may change while a forward pass runs
         # Called (from the stepping thread, before the forward pass) with the ids of the prefill-only
@@ -147,9 +156,14 @@ class Engine:
         except ValueError:
             self.block_manager.release(reversed(list(pinned_blocks)))
             raise
+        try:
+            guide = self.guides.matcher(params.grammar) if params.grammar else None
+        except GuideError:
+            self.block_manager.release(reversed(list(pinned_blocks)))
+            raise
         seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only,
                        pinned_blocks=list(pinned_blocks), restored_range=restored_range,
-                       hash_seed=self.kv_namespace(tenant).seed if tenant else None)
+                       hash_seed=self.kv_namespace(tenant).seed if tenant else None, guide=guide)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -162,7 +176,9 @@ class Engine:
         self._validate(request_id, prompt_ids, params)
         if not output_ids:
             raise ValueError("a prefilled request carries at least its first output token")
-        seq = Sequence(request_id, list(prompt_ids), params, token_ids=list(prompt_ids) + list(output_ids))
+        guide = self.guides.matcher(params.grammar, output_ids) if params.grammar else None  # replayed: see guide.py
+        seq = Sequence(request_id, list(prompt_ids), params, token_ids=list(prompt_ids) + list(output_ids),
+                       guide=guide)
         seq.num_computed = len(seq.token_ids) - 1
         if len(block_table) * self.layout.block_size < seq.num_computed:
             raise ValueError(f"block table holds {len(block_table)} blocks, too few for {seq.num_computed} tokens")
@@ -215,8 +231,14 @@ class Engine:
                       if s.prefill_only and s.num_computed + n >= len(s.token_ids)]
             if ending:
                 self.on_prefill_ending(ending)
+        guided = [s for s, n in zip(batch.seqs, batch.num_tokens)
+                  if s.guide is not None and s.num_computed + n == len(s.token_ids)]  # they sample this step
+        masks = self.guides.start_masks([s.guide for s in guided]) if guided else None  # beside the forward pass
         try:
             samplers, logits = self.runner.run(batch)
+            if masks is not None:
+                rows = {id(batch.seqs[i]): r for r, i in enumerate(samplers)}
+                self.guides.apply(logits, [rows[id(s)] for s in guided], masks.result())
             with self.lock:
                 return self._finish_batch(batch, samplers, logits)
         except Exception as e:
@@ -253,6 +275,8 @@ class Engine:
                 if self.config.record_prompt_logits:
                     seq.prompt_logits = logits[row].clone()
             seq.token_ids.append(token)
+            if seq.guide is not None and not self._guide_accepts(seq, token):
+                continue
             old_text = seq.output_text
             reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
             if reason is None and seq.prefill_only:
@@ -263,6 +287,22 @@ class Engine:
             outputs.append(StepOutput(seq.request_id, [token], seq.output_text[len(old_text):],
                                       reason is not None, reason))
         return outputs
+
+    def _guide_accepts(self, seq: Sequence, token: int) -> bool:
+        """Advance the request's grammar by its new token. A refusal (a bug: the mask allowed it) ends that
+        request only: aborted, its KV released, and named in `guide_failures` for the loop to report."""
+        try:
+            self.guides.consume(seq.guide, token)
+            return True
+        except GuideError as e:
+            self.scheduler.finish(seq, "abort")
+            self.sequences.pop(seq.request_id, None)
+            self.guide_failures.append(GuideFailed(seq.request_id, str(e)))
+            return False
+
+    def take_guide_failures(self) -> list[GuideFailed]:
+        failures, self.guide_failures = self.guide_failures, []
+        return failures
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.layout.block_size

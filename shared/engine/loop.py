@@ -7,7 +7,8 @@ as queueing a request or pinning, restoring and releasing blocks no running sequ
 thread only runs `engine.step()`. Bulk reads and writes of pages owned by a handoff (gather, scatter) may
 run in other threads: those blocks belong to no running sequence.
 
-Failures: a step that raises StepFailed fails only its requests (`on_failed`) and the loop goes on;
+Failures: a step that raises StepFailed fails only its requests (`on_failed`) and the loop goes on, as does
+a request whose grammar refused its token (`Engine.take_guide_failures`);
 any other error marks the loop dead (`dead_reason`). A step running longer than `stall_after_s` makes
 the loop unhealthy while it lasts. Services report `unhealthy_reason` as not ready.
 """
@@ -184,6 +185,8 @@ class EngineLoop:
                 self._pulse()
                 if outputs:
                     await self.on_outputs(outputs)
+                for failure in self.engine.take_guide_failures():  # a grammar ended these: already aborted
+                    await self._report_failed([failure.request_id], failure.message)
                 if not self.engine.stalled:
                     continue
             # idle, or stalled until some other owner releases blocks: wait for a call or a timeout

@@ -27,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: str = ""  # constrained decoding: an llguidance grammar (shared/engine/guide.py); "" = none
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,6 +46,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        if not isinstance(self.grammar, str):
+            raise ValueError("grammar must be a string")
+        if self.grammar and self.ignore_eos:
+            raise ValueError("a grammar ends the output itself: ignore_eos cannot be set with it")
 
     @property
     def greedy(self) -> bool:

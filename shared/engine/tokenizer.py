@@ -43,15 +43,20 @@ class Tokenizer:
     def _template(self):
         return ImmutableSandboxedEnvironment(trim_blocks=False).from_string(self.chat_template)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The template's text for `messages` (each with a string 'role' and 'content'; other keys, such as
+        an assistant's 'tool_calls', pass through). `tools` reaches templates that read it."""
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string 'role' and a string 'content'")
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **extra)
 
-    def chat_token_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_token_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
         """The prompt a chat request becomes. Turn N+1's ids extend turn N's (same history prefix)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
 class BPETokenizer(Tokenizer):

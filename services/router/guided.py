@@ -1,0 +1,76 @@
+"""What the model must produce, as an llguidance grammar the engines enforce token by token
+(shared/engine/guide.py): a tool call when `tool_choice` is required or names a tool, JSON for
+`response_format`. Built and checked here, once per request, with the same tokenizer the engines use: a
+schema the engine cannot enforce (a keyword it does not implement, a dangling $ref) is a 400 naming where
+it is, before anything reaches the bus. Tool schemas repeat every turn of an agent: their checks are cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import cached_property
+
+from services.router.conversation import Conversation, Tool
+from services.router.schemas import OpenAIError
+from services.router.tool_calls import ToolFormat
+from shared.engine.guide import grammar_error, ll_tokenizer
+from shared.engine.tokenizer import Tokenizer
+
+_CHECKED_KEEP = 1024  # schemas whose verdict is remembered
+
+
+class Guidance:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._checked: OrderedDict[str, str | None] = OrderedDict()
+
+    @cached_property
+    def ll_tok(self):
+        return ll_tokenizer(self.tokenizer)
+
+    def _error(self, grammar: str) -> str | None:
+        if grammar in self._checked:
+            self._checked.move_to_end(grammar)
+            return self._checked[grammar]
+        error = grammar_error(self.ll_tok, grammar)
+        self._checked[grammar] = error
+        while len(self._checked) > _CHECKED_KEEP:
+            self._checked.popitem(last=False)
+        return error
+
+    def _enforceable(self, schema: dict, where: str) -> str:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as e:
+            raise OpenAIError(400, f"{where}: not a valid JSON schema: {e}", param=where) from None
+        error = self._error(grammar)
+        if error:
+            raise OpenAIError(400, f"{where}: this schema cannot be enforced: {error}", param=where)
+        return grammar
+
+    def check_tools(self, tools: list[Tool], where: str = "tools") -> None:
+        for i, t in enumerate(tools):
+            self._enforceable(t.parameters, f"{where}[{i}] ({t.name}) parameters")
+
+    def grammar(self, conv: Conversation, fmt: ToolFormat) -> str:
+        """The request's grammar ("" = unconstrained). Checks every tool's schema either way."""
+        import llguidance
+
+        self.check_tools(conv.tools)
+        if conv.response_schema is not None:
+            return self._enforceable(conv.response_schema, "response_format")
+        choice = conv.tool_choice
+        if choice.mode not in ("required", "named"):
+            return ""
+        tools = [t for t in conv.tools if choice.mode == "required" or t.name == choice.name]
+        shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
+                   "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
+        call = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+        grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, choice.mode == "required" and
+                                                                  conv.parallel_tool_calls))
+        error = self._error(grammar)
+        if error:
+            raise OpenAIError(400, f"tools: the call cannot be enforced: {error}", param="tools")
+        return grammar

@@ -18,6 +18,13 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null
 fi
 
+# bubblewrap sandboxes the bash commands a model has mini-swe-agent run (tests/test_mini_swe_agent.py).
+if ! command -v bwrap >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null
+fi
+
 # Headless Chromium renders Phoenix's trace page in tests/test_phoenix_ui.py.
 if ! command -v chromium >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -1,7 +1,8 @@
 """Property-based fuzzing of the router's published OpenAPI schema (issue 10) against the real system
 (`moorage up --model tiny`: nats-server, gate, prefill, decode, router).
 
-schemathesis generates request bodies from /openapi.json for both generation endpoints, valid ones
+schemathesis generates request bodies from /openapi.json for the four generation endpoints (OpenAI chat and
+completions, Anthropic messages, OpenAI responses), valid ones
 (positive: most get `model` set to the served one, so they reach the engines) and invalid ones (negative:
 wrong types, missing fields, non-JSON bytes). Every response must be an answer, never a 5xx and never a
 hang (a per-request timeout), then the service must still answer a normal request exactly as the greedy
@@ -29,15 +30,15 @@ from shared.engine.sampling import SamplingParams
 from infra.up import UpConfig, launched
 from tests.natsbus import latest_reports, nats_url
 
-PATHS = ("/v1/chat/completions", "/v1/completions")
-PER_MODE = {GenerationMode.POSITIVE: 300, GenerationMode.NEGATIVE: 220}  # per endpoint: 1,040 in all
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+PER_MODE = {GenerationMode.POSITIVE: 160, GenerationMode.NEGATIVE: 100}  # per endpoint: 1,040 in all
 MAX_REQUEST_TOKENS = 96   # prompt + completion: every generated request is short work
 REQUEST_TIMEOUT_S = 60.0  # a request still open after this counts as a hang
 WORKERS = 8
 # each a 400 naming it unless neutral (schemas.py), or (tools, tool_choice, response_format) rarely valid when
 # drawn at random: taken out of the half of the valid cases meant to reach the engines
 UNSUPPORTED = ("n", "logprobs", "top_logprobs", "best_of", "echo", "suffix", "tools", "tool_choice", "functions",
-               "function_call", "response_format", "parallel_tool_calls")
+               "function_call", "response_format", "parallel_tool_calls", "previous_response_id", "text")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def generate_cases(schema, path: str, mode: GenerationMode, n: int) -> list:
         if mode is GenerationMode.POSITIVE and isinstance(body, dict) and len(cases) % 10:
             body["model"] = "tiny"  # 9 in 10 reach the engines; the rest try a random model name
             if len(cases) % 2:  # half of them: within the small context, no unsupported feature
-                for key in ("max_tokens", "max_completion_tokens"):
+                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if isinstance(body.get(key), int) and body[key] > 16:
                         body[key] = body[key] % 16 + 1
                 for key in UNSUPPORTED:
@@ -73,6 +74,9 @@ def generate_cases(schema, path: str, mode: GenerationMode, n: int) -> list:
                 if isinstance(body.get("messages"), list):  # tool turns answer calls made before: rarely so at random
                     body["messages"] = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") != "tool"
                                         and not m.get("tool_calls")] or [{"role": "user", "content": "hi"}]
+                if isinstance(body.get("input"), list):  # the same for the Responses API's items
+                    body["input"] = [i for i in body["input"] if isinstance(i, dict) and i.get("type", "message")
+                                     == "message"] or "hi"
         cases.append(case)
 
     collect()
@@ -85,8 +89,9 @@ def send(base: str, case) -> tuple[str, int | str, float, str]:
     try:
         resp = case.call(base_url=base, timeout=REQUEST_TIMEOUT_S)
         status: int | str = resp.status_code
-        if 400 <= status < 500:
-            param = str(resp.json()["error"]["param"])  # an OpenAI error object, whatever went wrong
+        if 400 <= status < 500:  # an error object of the endpoint's API, whatever went wrong
+            err = resp.json()["error"]
+            param = str(err["param"]) if "param" in err else f"({err['type']})"  # Anthropic's has no param
     except requests.Timeout:
         status = "timeout"
     except requests.ConnectionError as e:

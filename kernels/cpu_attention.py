@@ -107,7 +107,8 @@ static inline float bf16f(uint16_t x) {
     return f;
 }
 
-/* One work item: one sequence, blocks [blk0, blk1) of its table, all heads. Writes the partial
+/* One work item: one sequence, blocks [blk0, blk1) of its table, all heads, tokens [start, len) only (a
+ * sliding-window layer reads the last tokens; 0 for all). Writes the partial
  * (max[Hq], sum[Hq], unnormalised acc[Hq][D]). Query head j reads kv head j / G.
  * D = 8 * DC; callers pass a constant DC so the loops over it unroll into registers.
  * Blocks go CB at a time (one softmax rescale per CB * BS tokens). BS is a multiple of 8: scores are
@@ -115,8 +116,8 @@ static inline float bf16f(uint16_t x) {
  * their V rows are never read). */
 static inline __attribute__((always_inline)) void item(
         const float *q, int Hkv, int G, const int DC, const void *k, const void *v, int dt, int64_t s_block,
-        int64_t s_tok, int64_t s_head, const int64_t *table, int64_t len, int BS, int64_t blk0, int64_t blk1,
-        float scale, float *m, float *l, float *acc, float *kbuf, float *vbuf) {
+        int64_t s_tok, int64_t s_head, const int64_t *table, int64_t len, int64_t start, int BS, int64_t blk0,
+        int64_t blk1, float scale, float *m, float *l, float *acc, float *kbuf, float *vbuf) {
     const int D = 8 * DC, Hq = Hkv * G;
     v8 part[8];
     float s[CB * MAX_BS];
@@ -125,9 +126,11 @@ static inline __attribute__((always_inline)) void item(
     memset(acc, 0, sizeof(float) * (size_t)Hq * D);
     const int esz = dt == 0 ? 4 : 2;
     if (blk1 * BS > len + BS - 1) blk1 = (len + BS - 1) / BS;
+    if (blk0 < start / BS) blk0 = start / BS;  /* whole blocks before the window: never read */
     for (int64_t c0 = blk0; c0 < blk1; c0 += CB) {
         const int nblk = blk1 - c0 < CB ? (int)(blk1 - c0) : CB;
         const int ntok = len - c0 * BS < (int64_t)nblk * BS ? (int)(len - c0 * BS) : nblk * BS;
+        const int lo = start > c0 * BS ? (int)(start - c0 * BS) : 0;  /* tokens of this chunk before the window */
         int64_t base[CB];
         for (int i = 0; i < nblk; i++) base[i] = table[c0 + i] * s_block;
         for (int i = 0; i < CB && c0 + CB + i < blk1; i++) {  /* the next blocks are elsewhere: start fetching them */
@@ -171,7 +174,7 @@ static inline __attribute__((always_inline)) void item(
                         if (DC > 2 && DC % 2) a0 += qv[DC - 1] * ld8(kt + 8 * (DC - 1));
                         part[u] = a0 + a1;
                     }
-                    v8 sc = sel(lane + t0 < ntok, reduce8(part), splat(-INFINITY));
+                    v8 sc = sel((lane + t0 < ntok) & (lane + t0 >= lo), reduce8(part), splat(-INFINITY));
                     st8(s + t0, sc);
                     mx8 = vmax(mx8, sc);
                 }
@@ -179,7 +182,7 @@ static inline __attribute__((always_inline)) void item(
                 const float corr = exp_neg(splat(m[j] - mx))[0];
                 v8 sum8 = splat(0.0f);
                 for (int t0 = 0; t0 < n8; t0 += 8) {
-                    v8 p = sel(lane + t0 < ntok, exp_neg(ld8(s + t0) - mx), splat(0.0f));
+                    v8 p = sel((lane + t0 < ntok) & (lane + t0 >= lo), exp_neg(ld8(s + t0) - mx), splat(0.0f));
                     st8(s + t0, p);
                     sum8 += p;
                 }
@@ -205,18 +208,20 @@ static inline __attribute__((always_inline)) void item(
 
 /* q, out: [B, Hq, D] float32 contiguous. k, v: the (layer, k|v) base of a stage's pages, element
  * strides s_block (between blocks), s_tok (between tokens of a block), s_head (between kv heads);
- * head_dim is contiguous. kv_dtype: 0 float32, 1 bfloat16. tables [B, tstride] int64, lens [B] int64.
+ * head_dim is contiguous. kv_dtype: 0 float32, 1 bfloat16. tables [B, tstride] int64, lens [B] int64,
+ * starts [B] int64 or NULL (the first token each sequence attends to: a sliding window).
  * Returns 0, or a negative error. */
 int moorage_paged_decode(const float *q, float *out, const void *k, const void *v, int kv_dtype,
                          int64_t s_block, int64_t s_tok, int64_t s_head, const int64_t *tables,
                          int64_t tstride, const int64_t *lens, int B, int Hq, int Hkv, int D, int BS,
-                         int64_t num_blocks, float scale, int nthreads, int part_blocks) {
+                         int64_t num_blocks, float scale, int nthreads, int part_blocks, const int64_t *starts) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D > MAX_D || D % 8 || D <= 0 || BS > MAX_BS || BS % 8 || part_blocks <= 0) return -1;
     const int G = Hq / Hkv;
     int64_t max_blocks = 0;
     for (int b = 0; b < B; b++) {
         int64_t nb = (lens[b] + BS - 1) / BS;
         if (lens[b] <= 0 || nb > tstride) return -2;
+        if (starts && (starts[b] < 0 || starts[b] >= lens[b])) return -5;
         if (nb > max_blocks) max_blocks = nb;
         for (int64_t i = 0; i < nb; i++)
             if (tables[b * tstride + i] < 0 || tables[b * tstride + i] >= num_blocks) return -4;
@@ -238,7 +243,8 @@ int moorage_paged_decode(const float *q, float *out, const void *k, const void *
         const float *qb = q + (int64_t)b * Hq * D;
         int64_t blk0 = p * part_blocks, blk1 = blk0 + part_blocks;
         const int64_t *tb = tables + b * tstride;
-#define ITEM(DC, DT) item(qb, Hkv, G, DC, k, v, DT, s_block, s_tok, s_head, tb, lens[b], BS, blk0, blk1, scale, \
+        const int64_t start = starts ? starts[b] : 0;
+#define ITEM(DC, DT) item(qb, Hkv, G, DC, k, v, DT, s_block, s_tok, s_head, tb, lens[b], start, BS, blk0, blk1, scale, \
                           w, w + Hq, w + 2 * Hq, kbuf, kbuf + CB * BS * D)
         if (D == 64) { if (kv_dtype == 0) ITEM(8, 0); else ITEM(8, 1); }
         else if (D == 128) { if (kv_dtype == 0) ITEM(16, 0); else ITEM(16, 1); }
@@ -279,7 +285,7 @@ _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared"]
 _FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native", "-fopenmp-simd"], ["-fopenmp"], ["-fopenmp-simd"])
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT, _INT, _INT, _INT,
-             _I64, ctypes.c_float, _INT, _INT]
+             _I64, ctypes.c_float, _INT, _INT, _PTR]
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_G, _MAX_D, _MAX_BS = 64, 256, 128  # as in the C source (and block_size % 8 == 0)
 
@@ -305,9 +311,9 @@ PART_BLOCKS = 8
 
 
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, local_layer: int, block_tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 ctx_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     if not supports(q, pages):
-        return _ref.paged_decode(q, pages, local_layer, block_tables, ctx_lens, scale)
+        return _ref.paged_decode(q, pages, local_layer, block_tables, ctx_lens, scale, window)
     fn = _load()
     qf = q.to(torch.float32).contiguous()
     bt = block_tables.to(torch.int64).contiguous()
@@ -320,11 +326,14 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, local_layer: int, block_t
     st, es = pages.stride(), pages.element_size()
     k = pages.data_ptr() + local_layer * st[1] * es
     threads = torch.get_num_threads()
+    starts = (lens - window).clamp_(min=0).contiguous() if window else None
     rc = fn(qf.data_ptr(), out.data_ptr(), k, k + st[2] * es, _KV_DTYPES[pages.dtype], st[0], st[3], st[4],
-            bt.data_ptr(), bt.shape[1], lens.data_ptr(), B, Hq, Hkv, D, BS, N, float(scale), threads, PART_BLOCKS)
+            bt.data_ptr(), bt.shape[1], lens.data_ptr(), B, Hq, Hkv, D, BS, N, float(scale), threads, PART_BLOCKS,
+            None if starts is None else starts.data_ptr())
     if rc != 0:
         raise ValueError({-1: "unsupported shape", -2: "context length <= 0 or beyond the block table",
-                          -3: "out of memory", -4: "block id out of range"}.get(rc, f"error {rc}"))
+                          -3: "out of memory", -4: "block id out of range",
+                          -5: "window start outside the context"}.get(rc, f"error {rc}"))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -129,7 +129,8 @@ def test_json_schema_answers_match_the_schema(oai):
 @pytest.mark.parametrize("extra,param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools[0] (f) parameters"),
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}], "tool_choice": "required"},
+     "tools[0] (f) parameters"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
      "response_format"),
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_unknown", "content": "x"}]}, "messages[2].tool_call_id"),

@@ -239,3 +239,48 @@ def test_engine_greedy_tokens_identical_smollm2(smollm2, monkeypatch):
     prompts = chats + _prompts(smollm2.config.vocab_size, [700], seed=1)
     ref = _greedy(smollm2, "reference", prompts, 24, monkeypatch, num_blocks=256)
     assert _greedy(smollm2, "cpu", prompts, 24, monkeypatch, num_blocks=256) == ref
+
+
+# ---- sliding windows (Gemma 3's local layers, issue 28) ---------------------------------------------------
+def _naive(q_rows, k, v, qpos, scale, window):
+    """Attention written out: query at position p sees keys at positions (p - window, p] (all <= p if 0)."""
+    out = []
+    g = q_rows.shape[1] // k.shape[1]
+    for row, p in zip(q_rows, qpos):
+        lo = max(0, p - window + 1) if window else 0
+        kk, vv = k[lo:p + 1].repeat_interleave(g, dim=1), v[lo:p + 1].repeat_interleave(g, dim=1)
+        w = torch.softmax(torch.einsum("hd,shd->hs", row, kk) * scale, dim=-1)
+        out.append(torch.einsum("hs,shd->hd", w, vv))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 17, 100, 512])
+def test_a_sliding_window_decode_reads_only_the_last_tokens(window):
+    q, pages, tables, ctx = _case(3, 4, 1, 256, [700, 33, 512], seed=window)  # Gemma 3: 4 heads, 1 kv head, d 256
+    ref = attention_reference.paged_decode(q, pages, 1, tables, ctx, 0.0625, window)
+    for b, n in enumerate(ctx.tolist()):
+        k = attention_reference.read_context(pages, 1, 0, tables[b])[:n]
+        v = attention_reference.read_context(pages, 1, 1, tables[b])[:n]
+        torch.testing.assert_close(ref[b], _naive(q[b:b + 1], k, v, [n - 1], 0.0625, window)[0], atol=1e-5, rtol=1e-5)
+    if CPU_OK:
+        torch.testing.assert_close(cpu_attention.paged_decode(q, pages, 1, tables, ctx, 0.0625, window), ref,
+                                   atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(cpu_attention.paged_decode(q, pages, 1, tables, ctx, 0.0625), ref)  # it mattered
+
+
+@pytest.mark.parametrize("q_len,ctx_len", [(40, 40), (40, 300), (300, 300), (1, 600)])
+def test_a_sliding_window_prefill_masks_by_distance(q_len, ctx_len):
+    from shared.engine.attention import PrefillSegment
+
+    window, d = 64, 32
+    g = torch.Generator().manual_seed(q_len + ctx_len)
+    nb = -(-ctx_len // 16)
+    pages = torch.randn(nb + 2, 1, 2, 16, 2, d, generator=g)
+    table = torch.randperm(nb + 2, generator=g)[:nb]
+    q = torch.randn(q_len, 4, d, generator=g)
+    seg = PrefillSegment(0, q_len, ctx_len, table)
+    out = attention_reference.paged_prefill(q, pages, 0, [seg], d ** -0.5, window)
+    k = attention_reference.read_context(pages, 0, 0, table)[:ctx_len]
+    v = attention_reference.read_context(pages, 0, 1, table)[:ctx_len]
+    want = _naive(q, k, v, list(range(ctx_len - q_len, ctx_len)), d ** -0.5, window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

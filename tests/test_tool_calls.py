@@ -154,8 +154,13 @@ def test_a_schema_the_engine_cannot_enforce_is_a_400_naming_the_keyword(tiny_tok
     g = Guidance(tiny_tok)
     bad = tool("f", None, {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, "tools[0]")
     with pytest.raises(OpenAIError, match='"not"') as e:
-        g.grammar(Conversation([{"role": "user", "content": "x"}], [WEATHER, bad]), FORMATS["hermes"])
+        g.grammar(Conversation([{"role": "user", "content": "x"}], [WEATHER, bad], ToolChoice("required")),
+                  FORMATS["hermes"])
     assert e.value.param == "tools[1] (f) parameters"
+    # a tool the model may merely call is not enforced, so not refused (Claude Code's use `propertyNames`)
+    assert g.grammar(Conversation([{"role": "user", "content": "x"}], [WEATHER, bad]), FORMATS["hermes"]) == ""
+    assert g.grammar(Conversation([{"role": "user", "content": "x"}], [WEATHER, bad], ToolChoice("named", "get_weather")),
+                     FORMATS["hermes"])
     with pytest.raises(OpenAIError, match="response_format"):
         g.grammar(Conversation([{"role": "user", "content": "x"}], response_schema={"$ref": "#/nowhere"}),
                   FORMATS["hermes"])

@@ -104,6 +104,7 @@ class Api:
     """One endpoint's protocol. `endpoint` labels its metrics and spans."""
     endpoint: str = ""
     chat: bool = True
+    clamps_max_tokens: bool = False  # max_tokens past the context is cut to the room left, not a 400
 
     def parse(self, raw: bytes) -> Parsed:
         raise NotImplementedError

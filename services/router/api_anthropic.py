@@ -3,8 +3,10 @@ anthropic SDK speak.
 
 Requests: `system` (a string or text blocks), user and assistant turns of text, `tool_use` and
 `tool_result` blocks, `tools` with `input_schema`, `tool_choice` (auto, any, tool, none;
-`disable_parallel_tool_use`), `stop_sequences`, `metadata.user_id` (names the session). Thinking blocks in
-the history are dropped (this model does not think aloud); image and document blocks are a 400.
+`disable_parallel_tool_use`), `stop_sequences`, `metadata.user_id` (names the session), and system turns
+among the messages (Claude Code sends them). Thinking blocks in the history are dropped, and `thinking`
+settings ignored (this model does not think aloud); image and document blocks are a 400. A `max_tokens` past
+the model's context is cut to the room left (Claude Code asks for 32,000 whatever the model).
 Answers: text and `tool_use` content blocks, `stop_reason` end_turn / max_tokens / tool_use, and usage
 with `cache_read_input_tokens` from moorage's own count (`input_tokens` is the rest, as Anthropic counts).
 Streams follow Anthropic's event order, with a ping after the first block opens. Errors are Anthropic's
@@ -58,7 +60,7 @@ class Block(_Lenient):
 
 
 class Message(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system message (Claude Code's)
     content: str | list[Block]
 
 
@@ -118,6 +120,9 @@ def _turns(body: MessagesRequest) -> list[dict]:
             turns.append({"role": m.role, "content": m.content})
             continue
         text = "".join(b.text or "" for b in m.content if b.type == "text")
+        if m.role == "system":
+            turns.append({"role": "system", "content": text})
+            continue
         if m.role == "assistant":
             calls = [{"id": b.id, "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}
                      for b in m.content if b.type == "tool_use"]
@@ -227,6 +232,7 @@ class AnthropicShaper(Shaper):
 
 class Messages(Api):
     endpoint, chat = "messages", True
+    clamps_max_tokens = True  # Claude Code asks for 32,000 whatever the model's context: it gets the room left
     schema = MessagesRequest
 
     def parse(self, raw: bytes) -> Parsed:

@@ -1,8 +1,9 @@
 """What the model must produce, as an llguidance grammar the engines enforce token by token
 (shared/engine/guide.py): a tool call when `tool_choice` is required or names a tool, JSON for
 `response_format`. Built and checked here, once per request, with the same tokenizer the engines use: a
-schema the engine cannot enforce (a keyword it does not implement, a dangling $ref) is a 400 naming where
-it is, before anything reaches the bus. Tool schemas repeat every turn of an agent: their checks are cached.
+schema to enforce that the engine cannot (a keyword it does not implement, a dangling $ref) is a 400 naming
+where it is, before anything reaches the bus. Tool schemas repeat every turn of an agent: their checks are
+cached.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import cached_property
 
-from services.router.conversation import Conversation, Tool
+from services.router.conversation import Conversation
 from services.router.schemas import OpenAIError
 from services.router.tool_calls import ToolFormat
 from shared.engine.guide import grammar_error, ll_tokenizer
@@ -50,21 +51,20 @@ class Guidance:
             raise OpenAIError(400, f"{where}: this schema cannot be enforced: {error}", param=where)
         return grammar
 
-    def check_tools(self, tools: list[Tool], where: str = "tools") -> None:
-        for i, t in enumerate(tools):
-            self._enforceable(t.parameters, f"{where}[{i}] ({t.name}) parameters")
-
     def grammar(self, conv: Conversation, fmt: ToolFormat) -> str:
-        """The request's grammar ("" = unconstrained). Checks every tool's schema either way."""
+        """The request's grammar ("" = unconstrained). The schemas it enforces must be enforceable (a 400
+        naming the keyword); a tool the model may merely call (auto) is not held to that: Claude Code's
+        own tools use `propertyNames`, which no grammar engine here implements."""
         import llguidance
 
-        self.check_tools(conv.tools)
         if conv.response_schema is not None:
             return self._enforceable(conv.response_schema, "response_format")
         choice = conv.tool_choice
         if choice.mode not in ("required", "named"):
             return ""
         tools = [t for t in conv.tools if choice.mode == "required" or t.name == choice.name]
+        for t in tools:
+            self._enforceable(t.parameters, f"tools[{conv.tools.index(t)}] ({t.name}) parameters")
         shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
                    "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
         call = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}

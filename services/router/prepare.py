@@ -94,10 +94,14 @@ def conversation_key(conv: Conversation | None) -> str | None:
     return "conv-" + hashlib.blake2b(opening.encode(), digest_size=12).hexdigest()
 
 
-def _max_tokens(state: RouterState, requested: int | None, prompt_tokens: int, chat: bool) -> int:
+def _max_tokens(state: RouterState, requested: int | None, prompt_tokens: int, chat: bool,
+                clamp: bool = False) -> int:
+    """The request's max_tokens; past the context, a 400 (or, with `clamp`, the room left when there is some)."""
     limit = state.context_limit
     room = limit - prompt_tokens
     max_tokens = requested if requested is not None else min(state.settings.default_max_tokens, room)
+    if clamp and room >= 1:
+        max_tokens = min(max_tokens, room)
     if max_tokens < 1 or prompt_tokens + max_tokens > limit:
         where = "messages" if chat else "prompt"
         raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -111,7 +115,6 @@ def count_tokens(state: RouterState, model: str, conv: Conversation) -> int:
     """The prompt tokens a conversation renders to (Anthropic's count_tokens)."""
     check_model(state, model)
     conv.check()
-    state.guidance.check_tools(conv.tools)
     return len(_prompt_ids(state, Parsed(model, conversation=conv)))
 
 
@@ -137,7 +140,7 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
         prompt_ids, grammar = _prompt_and_grammar(state, parsed)
     if not prompt_ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")
-    max_tokens = _max_tokens(state, parsed.max_tokens, len(prompt_ids), api.chat)
+    max_tokens = _max_tokens(state, parsed.max_tokens, len(prompt_ids), api.chat, api.clamps_max_tokens)
     temperature = DEFAULT_TEMPERATURE if parsed.temperature is None else parsed.temperature
     seed = parsed.seed
     if seed is None and temperature > 0:

@@ -49,10 +49,12 @@ def write_kv(pages: torch.Tensor, local_layer: int, batch: AttentionBatch, k: to
 
 
 def paged_attention(q: torch.Tensor, pages: torch.Tensor, local_layer: int, batch: AttentionBatch,
-                    scale: float, kernels: AttentionKernels | None = None) -> torch.Tensor:
+                    scale: float, kernels: AttentionKernels | None = None, window: int = 0) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. K/V for the new tokens must already be written. `kernels`: the
-    backend (kernels.get_attention_kernels(q.device) when None; the model resolves it once)."""
+    backend (kernels.get_attention_kernels(q.device) when None; the model resolves it once). `window`:
+    each query attends to the last `window` positions, its own included (0: all of its context)."""
     k = kernels or get_attention_kernels(q.device)
     if batch.is_decode:
-        return k.paged_decode(q, pages, local_layer, batch.decode_block_tables, batch.decode_ctx_lens, scale)
-    return k.paged_prefill(q, pages, local_layer, batch.prefill, scale)
+        return k.paged_decode(q, pages, local_layer, batch.decode_block_tables, batch.decode_ctx_lens, scale,
+                              window)
+    return k.paged_prefill(q, pages, local_layer, batch.prefill, scale, window)

@@ -1,8 +1,10 @@
-"""Read a llama-architecture GGUF file (e.g. the bundled SmolLM2) into our weight names.
+"""Read a GGUF file (llama: the bundled SmolLM2; gemma3: Gemma 3 270M) into our weight names.
 
-Quantized tensors (Q4_1, Q8_0, ...) are dequantized with the `gguf` package. llama.cpp's converter
-permutes the rows of attn_q / attn_k so its RoPE can rotate adjacent pairs; we use the Hugging Face
-rotate-half RoPE, so those rows are permuted back here (and only here).
+Quantized tensors (Q4_1, Q4_K, Q8_0, ...) are dequantized with the `gguf` package. llama.cpp's converter
+permutes the rows of attn_q / attn_k of llama models so its RoPE can rotate adjacent pairs; we use the
+Hugging Face rotate-half RoPE, so those rows are permuted back here (and only here; gemma3 is not permuted).
+Gemma's norms are stored with the +1 of its `x * (1 + w)` already added by the converter: they are plain
+RMSNorm weights here. An architecture or a tensor this engine does not implement is an error naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,26 @@ _LAYER_NAMES = {
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
 }
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "post_attention_norm": "post_attention_layernorm",   # on the attention's output
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+_LAYERS_BY_ARCH = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+# Gemma 3 constants llama.cpp does not store: local layers' RoPE base and which layers are global
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_SLIDING_PATTERN = 6
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -52,25 +73,37 @@ def _field(reader: GGUFReader, key: str, default=None):
 
 def read_config(reader: GGUFReader, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
+    if arch not in _LAYERS_BY_ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (one of {', '.join(_LAYERS_BY_ARCH)})")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"unsupported RoPE scaling {scaling!r} in {name}")
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = () if eos is None else (int(eos),)
+    extra = {}
+    if arch == "gemma3":
+        end_of_turn = tokens.index("<end_of_turn>") if tokens and "<end_of_turn>" in tokens else None
+        eos_ids += (end_of_turn,) if end_of_turn is not None else ()  # a chat turn ends there
+        key_len = int(_field(reader, "gemma3.attention.key_length"))
+        extra = dict(explicit_head_dim=key_len, sliding_window=int(_field(reader, "gemma3.attention.sliding_window", 0)),
+                     sliding_window_pattern=GEMMA3_SLIDING_PATTERN, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+                     query_scale=float(key_len))
     return ModelConfig(
         name=name,
-        num_layers=int(_field(reader, "llama.block_count")),
-        hidden_size=int(_field(reader, "llama.embedding_length")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_heads=int(_field(reader, "llama.attention.head_count")),
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens) if tokens else 0)),
-        max_context=int(_field(reader, "llama.context_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        hidden_size=int(_field(reader, f"{arch}.embedding_length")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_heads=int(_field(reader, f"{arch}.attention.head_count")),
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv")),
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        max_context=int(_field(reader, f"{arch}.context_length")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=eos_ids, arch=arch, **extra,
     )
 
 
@@ -86,19 +119,20 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
 
     reader = GGUFReader(str(path))
     config = read_config(reader, name or Path(path).stem)
+    names = _LAYERS_BY_ARCH[config.arch]
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, base = int(parts[1]), parts[2]
-            if base not in _LAYER_NAMES or parts[3:] != ["weight"]:
-                raise ValueError(f"unexpected GGUF tensor {t.name}")
+            if base not in names or parts[3:] != ["weight"]:
+                raise ValueError(f"unexpected GGUF tensor {t.name} for architecture {config.arch!r}")
             arr = _tensor_to_numpy(t)
-            if base == "attn_q":
+            if config.arch == "llama" and base == "attn_q":
                 arr = unpermute_rope_rows(arr, config.num_heads)
-            elif base == "attn_k":
+            elif config.arch == "llama" and base == "attn_k":
                 arr = unpermute_rope_rows(arr, config.num_kv_heads)
-            weights[f"layers.{layer}.{_LAYER_NAMES[base]}"] = torch.from_numpy(arr)
+            weights[f"layers.{layer}.{names[base]}"] = torch.from_numpy(arr)
         elif parts[0] in _TOP_NAMES and parts[-1] == "weight":
             weights[_TOP_NAMES[parts[0]]] = torch.from_numpy(_tensor_to_numpy(t))
         else:

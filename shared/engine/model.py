@@ -1,7 +1,11 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, tied embeddings.
+"""A decoder in plain torch: Llama (RMSNorm, RoPE rotate-half, GQA, SwiGLU, tied embeddings) and Gemma 3
+(the same, plus q/k RMSNorm, norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
+sqrt(hidden), and local layers with a sliding window and a RoPE base of their own).
 
 The model is stateless between calls: all KV lives in the page pool passed to `forward`, one tensor per
-pipeline stage (see shared/kv_layout.py). Layer l reads and writes pages[stage_of(l)][:, local(l)].
+pipeline stage (see shared/kv_layout.py). Layer l reads and writes pages[stage_of(l)][:, local(l)]. A
+sliding-window layer keeps every token's KV like the others (the prefix cache, the pool and the handoff
+are unchanged) and only attends to the last `window` of them.
 """
 
 from __future__ import annotations
@@ -54,35 +58,52 @@ class LlamaModel:
             raise ValueError("KV layout does not match the model config")
         self.config, self.layout, self.device, self.dtype = config, layout, torch.device(device), dtype
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
-        missing = [k for k in self.expected_weight_names() if k not in w]
+        expected = self.expected_weight_names()
+        missing = [k for k in expected if k not in w]
         if missing:
             raise ValueError(f"missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        unknown = sorted(set(w) - set(expected))
+        if unknown:  # never dropped without a word: a tensor this architecture does not use
+            raise ValueError(f"weights this {config.arch} model does not use: {unknown[:5]}"
+                             f"{'...' if len(unknown) > 5 else ''}")
         self.embed = w["embed_tokens"]
         self.lm_head = self.embed if config.tie_embeddings else w["lm_head"]
         self.norm = w["norm"]
+        self.embed_scale = config.hidden_size ** 0.5 if config.gemma else None
         # Fused projections: one matmul for q|k|v and one for gate|up.
         self.layers = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
-            self.layers.append({
+            layer = {
                 "in_norm": w[p + "input_layernorm"],
                 "qkv": torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]], dim=0).contiguous(),
                 "o": w[p + "o_proj"],
-                "post_norm": w[p + "post_attention_layernorm"],
                 "gate_up": torch.cat([w[p + "gate_proj"], w[p + "up_proj"]], dim=0).contiguous(),
                 "down": w[p + "down_proj"],
-            })
+            }
+            if config.gemma:
+                layer.update(q_norm=w[p + "q_norm"], k_norm=w[p + "k_norm"], attn_out_norm=w[p + "post_attention_layernorm"],
+                             mlp_norm=w[p + "pre_feedforward_layernorm"], mlp_out_norm=w[p + "post_feedforward_layernorm"])
+            else:
+                layer["mlp_norm"] = w[p + "post_attention_layernorm"]
+            self.layers.append(layer)
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device)
-        self.scale = config.head_dim ** -0.5
+        self.local_rope = (RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_context, self.device)
+                           if any(self.windows) else None)
+        self.scale = (config.query_scale or config.head_dim) ** -0.5
         self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
         # paged attention backend (MOORAGE_ATTN_KERNELS or auto); replace the attribute to switch
         self.attention = attention or get_attention_kernels(self.device)
 
     def expected_weight_names(self) -> list[str]:
         names = ["embed_tokens", "norm"] + ([] if self.config.tie_embeddings else ["lm_head"])
+        per_layer = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+                     "gate_proj", "up_proj", "down_proj")
+        if self.config.gemma:
+            per_layer += ("q_norm", "k_norm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
         for i in range(self.config.num_layers):
-            names += [f"layers.{i}.{n}" for n in ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")]
+            names += [f"layers.{i}.{n}" for n in per_layer]
         return names
 
     @torch.inference_mode()
@@ -92,20 +113,33 @@ class LlamaModel:
         c = self.config
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         x = self.embed[input_ids]
-        cos, sin = self.rope.tables(positions)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # Gemma: rounded to the compute dtype first
+        tables = self.rope.tables(positions)
+        local_tables = self.local_rope.tables(positions) if self.local_rope is not None else None
         for i, L in enumerate(self.layers):
             stage, local = self.layer_stage[i]
+            window = self.windows[i]
             h = rms_norm(x, L["in_norm"], c.rms_eps)
             qkv = F.linear(h, L["qkv"])
-            # q and k heads side by side in qkv: one RoPE pass over [T, hq + hkv, d] (a strided view)
-            qk = self.rope.apply(qkv[:, :(hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
+            cos, sin = local_tables if window else tables
+            if c.gemma:
+                q = rms_norm(qkv[:, :hq * d].view(-1, hq, d), L["q_norm"], c.rms_eps)
+                k = rms_norm(qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d), L["k_norm"], c.rms_eps)
+                q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            else:
+                # q and k heads side by side in qkv: one RoPE pass over [T, hq + hkv, d] (a strided view)
+                qk = self.rope.apply(qkv[:, :(hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]
             write_kv(pages[stage], local, batch, k, qkv[:, (hq + hkv) * d:].view(-1, hkv, d))
-            attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention)
-            x = x + F.linear(attn.reshape(-1, hq * d), L["o"])
-            h = rms_norm(x, L["post_norm"], c.rms_eps)
+            attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention, window)
+            o = F.linear(attn.reshape(-1, hq * d), L["o"])
+            x = x + (rms_norm(o, L["attn_out_norm"], c.rms_eps) if c.gemma else o)
+            h = rms_norm(x, L["mlp_norm"], c.rms_eps)
             gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["down"])
+            act = F.gelu(gate, approximate="tanh") if c.gemma else F.silu(gate)
+            m = F.linear(act * up, L["down"])
+            x = x + (rms_norm(m, L["mlp_out_norm"], c.rms_eps) if c.gemma else m)
         return rms_norm(x, self.norm, c.rms_eps)
 
     @torch.inference_mode()

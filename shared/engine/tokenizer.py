@@ -1,8 +1,11 @@
 """Tokenizers and the chat template: messages -> prompt token ids, in one function the router reuses.
 
-Two kinds: the byte-level BPE stored in a GGUF file (SmolLM2's, built with `tokenizers`), and a plain
-byte tokenizer for the seeded `tiny` preset. Both render chat with a Jinja template (the one in the GGUF
-metadata when present, else ChatML) in a sandbox, then encode with special tokens recognised.
+Kinds: the BPE stored in a GGUF file, built with `tokenizers` from the file's own metadata: GPT-2 byte-level
+BPE (`tokenizer.ggml.model = gpt2`: SmolLM2) or SentencePiece BPE with byte fallback (`llama`: Gemma, whose
+merges are derived from the vocabulary's scores, as SentencePiece ranks them); and a plain byte tokenizer
+for the seeded `tiny` preset. All render chat with a Jinja template (the file's own when present, else
+Gemma's turn format for Gemma, else ChatML) in a sandbox, then encode with special tokens recognised. A
+tokenizer that says so (`add_bos`) starts every prompt with its BOS token.
 """
 
 from __future__ import annotations
@@ -19,7 +22,18 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_CONTROL_TOKEN_TYPE = 3  # llama.cpp token type: control (special) token
+# Gemma's turns (its base models ship no template): the system prompt opens the first user turn.
+GEMMA_TEMPLATE = (
+    "{{ '<bos>' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set rest = messages[1:] %}{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+    "{% for message in rest %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n'"
+    " + (first if loop.first else '') + message['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+_NORMAL, _UNKNOWN, _CONTROL_TOKEN_TYPE, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6  # llama.cpp token types
 
 
 class Tokenizer:
@@ -28,6 +42,7 @@ class Tokenizer:
     chat_template: str = CHATML_TEMPLATE
     eos_token_ids: tuple[int, ...] = ()
     special_tokens: dict[str, int] = {}
+    bos_token: str = ""  # prepended to every prompt that does not start with it ("" = none)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -62,36 +77,85 @@ class Tokenizer:
 class BPETokenizer(Tokenizer):
     """Byte-level BPE held by a `tokenizers.Tokenizer`: from GGUF metadata or a tokenizer.json."""
 
-    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...], chat_template: str | None):
+    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...], chat_template: str | None, bos_token: str = ""):
         self._tok = hf_tokenizer
         self.special_tokens = {t.content: i for i, t in hf_tokenizer.get_added_tokens_decoder().items()
                                if t.special}
         self.eos_token_ids = eos_token_ids
+        self.bos_token = bos_token
         if chat_template:
             self.chat_template = chat_template
 
     @classmethod
     def from_gguf_reader(cls, reader, eos_token_ids: tuple[int, ...]) -> "BPETokenizer":
-        """GGUF 'gpt2' style vocabulary + merges, e.g. SmolLM2's (pre-tokenizer 'smollm': single digits)."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
+        """The GGUF file's tokenizer: 'gpt2' byte-level BPE (SmolLM2) or 'llama' SentencePiece (Gemma)."""
         def field(key, default=None):
             f = reader.fields.get(key)
             return default if f is None else f.contents()
 
-        if field("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer {field('tokenizer.ggml.model')!r} (only 'gpt2' BPE)")
+        model = field("tokenizer.ggml.model")
+        if model == "llama":
+            return cls._from_sentencepiece(field, eos_token_ids)
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer {model!r} (gpt2 BPE or llama SentencePiece)")
+        return cls._from_gpt2(field, eos_token_ids)
+
+    @classmethod
+    def _from_sentencepiece(cls, field, eos_token_ids: tuple[int, ...]) -> "BPETokenizer":
+        """SentencePiece BPE with byte fallback from GGUF metadata (tokens, scores, types). Merges: every
+        split of a normal token into two tokens of the vocabulary, ranked by the merged token's score (ties by
+        the halves' ids), which is how SentencePiece's BPE picks its next merge."""
+        from tokenizers import AddedToken, decoders, models, normalizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tokens, scores, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), field("tokenizer.ggml.token_type")
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre not in ("default", None):
+            raise ValueError(f"unsupported SentencePiece pre-tokenizer {pre!r}")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        ranked = []
+        for i, t in enumerate(tokens):
+            if types[i] != _NORMAL:
+                continue
+            splits = sorted((vocab[t[:j]], vocab[t[j:]]) for j in range(1, len(t)) if t[:j] in vocab and t[j:] in vocab)
+            ranked += [(-scores[i], n, tokens[a], tokens[b]) for n, (a, b) in enumerate(splits)]
+        ranked.sort(key=lambda r: r[0])  # stable: ties keep the order above
+        unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in ranked], unk_token=unk,
+                                     byte_fallback=True, fuse_unk=True))
+        space_prefix = bool(field("tokenizer.ggml.add_space_prefix", False))
+        tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if space_prefix else [])
+                                              + [normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL_TOKEN_TYPE])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        bos = field("tokenizer.ggml.bos_token_id")
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        template = field("tokenizer.chat_template") or (GEMMA_TEMPLATE if "<start_of_turn>" in vocab else None)
+        return cls(tok, eos_token_ids, template, tokens[bos] if add_bos else "")
+
+    @classmethod
+    def _from_gpt2(cls, field, eos_token_ids: tuple[int, ...]) -> "BPETokenizer":
+        """GGUF 'gpt2' style vocabulary + merges, e.g. SmolLM2's (pre-tokenizer 'smollm': single digits)."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
         tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if field("tokenizer.ggml.pre", "default") in ("smollm", "starcoder", "refact"):
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre in ("smollm", "starcoder", "refact"):
             digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
             tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-        else:
+        elif pre in ("default", "gpt-2", "gpt2"):
             tok.pre_tokenizer = byte_level
+        else:  # llama-bpe, qwen2, ... split text their own way: never tokenized as if they were GPT-2's
+            raise ValueError(f"unsupported BPE pre-tokenizer {pre!r} (default, gpt-2, smollm, starcoder, refact)")
         tok.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL_TOKEN_TYPE]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
@@ -112,6 +176,8 @@ class BPETokenizer(Tokenizer):
                    template if isinstance(template, str) else None)
 
     def encode(self, text: str) -> list[int]:
+        if self.bos_token and not text.startswith(self.bos_token):
+            text = self.bos_token + text
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -185,3 +185,19 @@ def test_required_allows_any_tool_and_parallel_calls(tiny_tok):
     two = fmt.render_call("get_time", "{}") + "\n" + fmt.render_call("get_weather", '{"city": "B"}')
     assert Guides(tiny_tok, tiny_tok.vocab_size).matcher(grammar, tiny_tok.encode(two)).is_accepting()
     assert Guidance(tiny_tok).grammar(conversation(), fmt) == ""  # auto: unconstrained
+
+
+def test_responses_tools_as_codex_sends_them():
+    """Codex CLI groups tools in a namespace and always offers the hosted web_search: the namespace's
+    functions are tools of their own, the hosted tool is not offered (moorage runs none); other types: 400."""
+    from services.router.api_responses import ResponsesRequest, conversation
+
+    fn = {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}}
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [
+        fn, {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [
+            {**fn, "name": "spawn_agent"}, {**fn, "name": "close_agent"}]},
+        {"type": "web_search", "external_web_access": False}]})
+    assert [t.name for t in conversation(body).tools] == ["exec_command", "spawn_agent", "close_agent"]
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="local_shell"):
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [{"type": "local_shell"}]})

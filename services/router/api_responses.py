@@ -4,7 +4,9 @@ Requests: `input` as a string or items (messages with text parts, `function_call
 `reasoning` items are dropped), `instructions`, function `tools`, `tool_choice`, `parallel_tool_calls`,
 `max_output_tokens`, `text.format` (text, json_object, json_schema), `prompt_cache_key` / `user` (the
 session). Nothing is stored: `store: true` is answered as if false (the response cannot be fetched later),
-and `previous_response_id` is a 400. Tools of other types (web search, file search, ...) are a 400 naming them.
+and `previous_response_id` is a 400. A namespace's function tools are offered as tools of their own; hosted
+tools (web search, file search, ...: run by a provider, and moorage has none) are not offered to the model;
+any other tool type is a 400 naming it.
 Answers: a `message` item with `output_text`, and `function_call` items; `status` completed, or incomplete
 (`max_output_tokens`). Streams: response.created, response.in_progress, then per item
 response.output_item.added / content_part.added / output_text.delta / output_text.done / content_part.done /
@@ -47,19 +49,33 @@ class Item(_Lenient):
         return self
 
 
+# Tools the provider runs itself: moorage has none of them, so the model is not offered them (Codex always
+# sends web_search, with external_web_access false); any other type is a 400 naming it.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                "computer_use_preview", "mcp")
+
+
 class FunctionTool(_Lenient):
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list["FunctionTool"] | None = None  # a namespace's own tools (Codex groups some this way)
 
     @field_validator("type")
     @classmethod
     def _function(cls, v: str) -> str:
-        if v != "function":
-            raise ValueError(f"tools of type {v!r} are not supported (only 'function')")
+        if v not in ("function", "namespace") and not v.startswith(HOSTED_TOOLS):
+            raise ValueError(f"tools of type {v!r} are not supported (function, namespace, or a hosted tool, "
+                             "which is not offered to the model)")
         return v
+
+    def functions(self) -> list["FunctionTool"]:
+        """The function tools this entry stands for: itself, a namespace's members, or none (hosted)."""
+        if self.type == "function":
+            return [self]
+        return [f for t in self.tools or () for f in t.functions()] if self.type == "namespace" else []
 
 
 class NamedTool(_Lenient):
@@ -125,10 +141,11 @@ def _turns(body: ResponsesRequest) -> list[dict]:
 
 
 def conversation(body: ResponsesRequest) -> Conversation:
-    for i, t in enumerate(body.tools or []):
-        if not t.name:
-            raise OpenAIError(400, f"tools[{i}].name is required", param=f"tools[{i}].name")
-    tools = [tool(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(body.tools or [])]
+    functions = [(f"tools[{i}]", f) for i, t in enumerate(body.tools or []) for f in t.functions()]
+    for where, f in functions:
+        if not f.name:
+            raise OpenAIError(400, f"{where}.name is required", param=f"{where}.name")
+    tools = [tool(f.name, f.description, f.parameters, where) for where, f in functions]
     c = body.tool_choice
     choice = ToolChoice("named", c.name) if isinstance(c, NamedTool) else ToolChoice(c or "auto")
     fmt = body.text.format if body.text and body.text.format else None

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -459,3 +461,25 @@ def test_load_model_tiny_is_seeded():
     assert a.config.max_context == 256 and a.config.vocab_size == ByteTokenizer().vocab_size
     assert_same_weights(a.weights, b.weights)
     assert isinstance(a.tokenizer, ByteTokenizer)
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling type 'llama3'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"attention_bias": True}, "q/k/v/o biases"),
+    ({"sliding_window": 4096}, "a sliding window"),
+    ({"head_dim": 128}, "head_dim"),
+])
+def test_hf_features_the_engine_does_not_implement_are_refused_by_name(tmp_path, weights, extra, named):
+    """Llama 3.1's llama3 RoPE scaling loaded without a word and diverged from transformers at the first
+    token (issue 28): what the engine does not implement is an error that names it, never a silent drop."""
+    import json
+
+    save_hf_dir(tmp_path / "hf", CONFIG, weights)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **extra}))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_hf_dir(tmp_path / "hf")
+    cfg["rope_scaling"] = None  # null: no scaling, served as before
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    load_hf_dir(tmp_path / "hf")

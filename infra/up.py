@@ -101,14 +101,17 @@ class UpSettings:
 # fp32: an engine process is ~1.2 GiB RSS before KV, the others 0.2-0.4 GiB).
 ENGINE_PROCESS_BYTES = 3 << 29  # 1.5 GiB
 OTHER_PROCESS_BYTES = 1 << 29   # 0.5 GiB
+# On an accelerator an engine's weights (fp32 copies of the bundled models: 0.5-1.1 GiB), its CUDA context
+# and its activations come out of the device's memory instead: set aside per engine on the device.
+ENGINE_DEVICE_BYTES = 3 << 30   # 3 GiB
 MIN_KV_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class KVSplit:
     """How `moorage up` shares one host's memory among the KV of its engines."""
-    available: int       # host memory available at launch
-    reserved: int        # stores' segments + every process's own memory
+    available: int       # memory available at launch: the host's, or the engines' device's
+    reserved: int        # host: stores' segments + every process's own memory; device: each engine's own
     decode_bytes: int    # KV per decode instance
     prefill_bytes: int   # KV per prefill instance
 
@@ -118,11 +121,16 @@ class KVSplit:
                 f"pool's stores and the processes)")
 
 
-def split_kv(up: UpSettings, available: int) -> KVSplit:
+def split_kv(up: UpSettings, available: int, device: str = "cpu") -> KVSplit:
+    """Share `available` bytes among the engines' KV: host memory (device "cpu"), or one accelerator's
+    memory that every engine of this host shares (the stores' segments stay in host memory then)."""
     decodes, prefills = up.groups, up.groups * up.prefills
-    stores = up.groups * up.stores * up.store_bytes if up.pool else 0
-    others = 3 + (up.groups * up.stores + (up.groups if up.pool_mode == "split" else 1) if up.pool else 0)
-    reserved = stores + (decodes + prefills) * ENGINE_PROCESS_BYTES + others * OTHER_PROCESS_BYTES
+    if device == "cpu":
+        stores = up.groups * up.stores * up.store_bytes if up.pool else 0
+        others = 3 + (up.groups * up.stores + (up.groups if up.pool_mode == "split" else 1) if up.pool else 0)
+        reserved = stores + (decodes + prefills) * ENGINE_PROCESS_BYTES + others * OTHER_PROCESS_BYTES
+    else:
+        reserved = (decodes + prefills) * ENGINE_DEVICE_BYTES
     spec = parse_memory(up.kv_memory)
     # a busy host (little available beyond our allowance) still gets a working system, only a smaller one
     total = spec.resolve(max(available - reserved, available // 4))
@@ -132,6 +140,36 @@ def split_kv(up: UpSettings, available: int) -> KVSplit:
         raise ConfigError(f"too little memory for KV: {split.describe()}; lower up.store_bytes, or set "
                           f"up.kv_memory to a size, or prefill/decode.engine.num_blocks")
     return split
+
+
+def engine_device(cfg: "UpConfig") -> str:
+    """The one device every engine of `moorage up` computes on ("cpu", "cuda", "cuda:1")."""
+    devices = {cfg.decode.engine.device, cfg.prefill.engine.device}
+    if len(devices) != 1:
+        raise ConfigError(f"prefill and decode engines on different devices ({sorted(devices)}): set "
+                          "prefill/decode.engine.kv_memory to sizes, or num_blocks, instead of up.kv_memory")
+    return devices.pop()
+
+
+def device_free_bytes(device: str) -> int:
+    """Free memory on an accelerator, asked in a child process: the launcher itself never holds a CUDA
+    context (it would take device memory from the engines for as long as moorage runs)."""
+    code = "import sys, torch; print(torch.cuda.mem_get_info(torch.device(sys.argv[1]))[0])"
+    try:
+        out = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, timeout=120,
+                             check=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"engine.device={device!r}: cannot read its free memory "
+                          f"({(getattr(e, 'stderr', '') or str(e)).strip().splitlines()[-1:]})") from None
+    return int(out.stdout.strip())
+
+
+def measure_kv(cfg: "UpConfig") -> KVSplit:
+    """The KV split of this host now: of its free host memory, or of the engines' device's free memory."""
+    device = engine_device(cfg)
+    if device == "cpu":
+        return split_kv(cfg.up, host_available_bytes())
+    return split_kv(cfg.up, device_free_bytes(device), device)
 
 
 @dataclass
@@ -162,7 +200,7 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
     (the launcher's listening socket) when it is given."""
     up = cfg.up
     if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
-        kv = split_kv(up, host_available_bytes())
+        kv = measure_kv(cfg)
 
     def engine(sc, part: int) -> dict:
         return {"model": up.model, **({"kv_memory": str(part)} if _sized_by_up(sc.engine) else {})}
@@ -297,7 +335,7 @@ class Launcher:
             {"user": self.credential.user, "password": self.credential.password} if self.credential else {})),
             "moorage-up")
         if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
-            self.kv = split_kv(self.cfg.up, host_available_bytes())
+            self.kv = measure_kv(self.cfg)
         if self.cfg.up.trace_ui:  # before the services: they export to it from their first span
             from shared.trace_ui import export_to, start_trace_ui
             self.trace_ui = start_trace_ui(self.cfg.up.trace_ui, self.run_dir, self._say)

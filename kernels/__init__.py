@@ -11,7 +11,8 @@ Every backend is a module exposing six functions with the signatures of `kernels
 
 Backends are registered by module path plus an availability predicate, and imported only when
 selected, so e.g. triton/aiter are never imported on a CPU host. Auto-selection takes the first
-available backend (registration order) serving the device type, falling back to reference.
+available backend (registration order) serving the device type, falling back to reference (the rules
+of every family: kernels/registry.py, one Registry per family below).
 `MOORAGE_KV_KERNELS=reference|cpu|triton|aiter` forces one; if it is unknown, unavailable or does not
 serve the device, get_kv_kernels raises instead of silently running something else.
 
@@ -32,16 +33,16 @@ tested against the reference on the device; the entries below point there.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kernels.registry import Registry
+from kernels.registry import has_module as _has
+
 ENV_VAR = "MOORAGE_KV_KERNELS"
-_FUNCS = ("pack_chunk", "unpack_chunk", "pack_chunk_crc", "unpack_chunk_crc", "gather_for_ranks", "scatter_from_rank")
+ATTN_ENV_VAR = "MOORAGE_ATTN_KERNELS"
 
 
 @dataclass(frozen=True)
@@ -56,37 +57,59 @@ class KVKernels:
 
 
 @dataclass(frozen=True)
-class _Backend:
+class AttentionKernels:
     name: str
-    module: str
-    device_types: frozenset[str] | None  # None: any device
-    available: Callable[[], bool]
+    paged_decode: Callable
+    paged_prefill: Callable
 
 
-def _has(module: str) -> bool:
-    """Importable without importing it (find_spec of a submodule only imports its parents)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-_REGISTRY: dict[str, _Backend] = {}
-_LOADED: dict[str, KVKernels] = {}
+_KV: Registry[KVKernels] = Registry(KVKernels, ENV_VAR, "KV kernel backend")
+_ATTN: Registry[AttentionKernels] = Registry(AttentionKernels, ATTN_ENV_VAR, "attention backend")
+# the registries' tables by their former names (tests register and drop a fake backend)
+_REGISTRY, _LOADED = _KV.backends, _KV.loaded
+_ATTN_REGISTRY, _ATTN_LOADED = _ATTN.backends, _ATTN.loaded
 
 
 def register_backend(name: str, module: str, device_types: tuple[str, ...] | None,
                      available: Callable[[], bool]) -> None:
-    """Register (or replace) a backend; earlier registrations win auto-selection."""
-    _REGISTRY[name] = _Backend(name, module, None if device_types is None else frozenset(device_types),
-                               available)
-    _LOADED.pop(name, None)
+    """Register (or replace) a KV copy backend; earlier registrations win auto-selection."""
+    _KV.register(name, module, device_types, available)
+
+
+def register_attention_backend(name: str, module: str, device_types: tuple[str, ...] | None,
+                               available: Callable[[], bool]) -> None:
+    """Register (or replace) an attention backend; earlier registrations win auto-selection."""
+    _ATTN.register(name, module, device_types, available)
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    return _KV.available(device)
+
+
+def available_attention_backends(device: torch.device | str) -> list[str]:
+    return _ATTN.available(device)
+
+
+def get_kv_kernels(device: torch.device | str = "cpu") -> KVKernels:
+    """The kernels to use for tensors on `device` (honours MOORAGE_KV_KERNELS)."""
+    return _KV.get(device)
+
+
+def get_attention_kernels(device: torch.device | str = "cpu") -> AttentionKernels:
+    """The paged attention to use for tensors on `device` (honours MOORAGE_ATTN_KERNELS)."""
+    return _ATTN.get(device)
 
 
 def _cpu_kv_available() -> bool:
     from kernels import cpu_kv  # ctypes only; builds (or finds the cached .so) once per process
 
     return cpu_kv.available()
+
+
+def _cpu_attention_available() -> bool:
+    from kernels import cpu_attention  # ctypes only; builds (or finds the cached .so) once per process
+
+    return cpu_attention.available()
 
 
 # ROCm torch reports device type "cuda"; torch.version.hip tells the two apart.
@@ -97,81 +120,6 @@ register_backend("triton", "kernels.triton_kv", ("cuda",),
 register_backend("cpu", "kernels.cpu_kv", ("cpu",), lambda: _cpu_kv_available())
 register_backend("reference", "kernels.reference", None, lambda: True)
 
-
-def available_backends(device: torch.device | str) -> list[str]:
-    dev_type = torch.device(device).type
-    return [b.name for b in _REGISTRY.values() if _serves(b, dev_type) and b.available()]
-
-
-def _serves(b: _Backend, dev_type: str) -> bool:
-    return b.device_types is None or dev_type in b.device_types
-
-
-def _load(b: _Backend) -> KVKernels:
-    if b.name not in _LOADED:
-        mod = importlib.import_module(b.module)
-        missing = [f for f in _FUNCS if not callable(getattr(mod, f, None))]
-        if missing:
-            raise ImportError(f"KV kernel backend {b.name!r} ({b.module}) lacks {missing}")
-        _LOADED[b.name] = KVKernels(b.name, *(getattr(mod, f) for f in _FUNCS))
-    return _LOADED[b.name]
-
-
-def _select(registry: dict[str, _Backend], env_var: str, device, load: Callable):
-    dev_type = torch.device(device).type
-    forced = os.environ.get(env_var, "").strip().lower()
-    if forced:
-        b = registry.get(forced)
-        if b is None:
-            raise ValueError(f"{env_var}={forced!r}: unknown backend; known: {sorted(registry)}")
-        if not _serves(b, dev_type):
-            raise ValueError(f"{env_var}={forced!r} does not serve device type {dev_type!r}")
-        if not b.available():
-            raise ValueError(f"{env_var}={forced!r} is not available here (module {b.module} or its "
-                             f"dependency is missing, or it did not build)")
-        return load(b)
-    for b in registry.values():
-        if _serves(b, dev_type) and b.available():
-            return load(b)
-    return load(registry["reference"])
-
-
-def get_kv_kernels(device: torch.device | str = "cpu") -> KVKernels:
-    """The kernels to use for tensors on `device` (honours MOORAGE_KV_KERNELS)."""
-    return _select(_REGISTRY, ENV_VAR, device, _load)
-
-
-# --- attention ----------------------------------------------------------------------------------
-
-ATTN_ENV_VAR = "MOORAGE_ATTN_KERNELS"
-_ATTN_FUNCS = ("paged_decode", "paged_prefill")
-
-
-@dataclass(frozen=True)
-class AttentionKernels:
-    name: str
-    paged_decode: Callable
-    paged_prefill: Callable
-
-
-_ATTN_REGISTRY: dict[str, _Backend] = {}
-_ATTN_LOADED: dict[str, AttentionKernels] = {}
-
-
-def register_attention_backend(name: str, module: str, device_types: tuple[str, ...] | None,
-                               available: Callable[[], bool]) -> None:
-    """Register (or replace) an attention backend; earlier registrations win auto-selection."""
-    _ATTN_REGISTRY[name] = _Backend(name, module, None if device_types is None else frozenset(device_types),
-                                    available)
-    _ATTN_LOADED.pop(name, None)
-
-
-def _cpu_attention_available() -> bool:
-    from kernels import cpu_attention  # ctypes only; builds (or finds the cached .so) once per process
-
-    return cpu_attention.available()
-
-
 register_attention_backend("aiter", "kernels.aiter_attention", ("cuda",),
                            lambda: torch.version.hip is not None and _has("aiter")
                            and _has("kernels.aiter_attention"))
@@ -179,26 +127,6 @@ register_attention_backend("triton", "kernels.triton_attention", ("cuda",),
                            lambda: _has("triton") and _has("kernels.triton_attention"))
 register_attention_backend("cpu", "kernels.cpu_attention", ("cpu",), _cpu_attention_available)
 register_attention_backend("reference", "kernels.attention_reference", None, lambda: True)
-
-
-def _load_attention(b: _Backend) -> AttentionKernels:
-    if b.name not in _ATTN_LOADED:
-        mod = importlib.import_module(b.module)
-        missing = [f for f in _ATTN_FUNCS if not callable(getattr(mod, f, None))]
-        if missing:
-            raise ImportError(f"attention backend {b.name!r} ({b.module}) lacks {missing}")
-        _ATTN_LOADED[b.name] = AttentionKernels(b.name, *(getattr(mod, f) for f in _ATTN_FUNCS))
-    return _ATTN_LOADED[b.name]
-
-
-def available_attention_backends(device: torch.device | str) -> list[str]:
-    dev_type = torch.device(device).type
-    return [b.name for b in _ATTN_REGISTRY.values() if _serves(b, dev_type) and b.available()]
-
-
-def get_attention_kernels(device: torch.device | str = "cpu") -> AttentionKernels:
-    """The paged attention to use for tensors on `device` (honours MOORAGE_ATTN_KERNELS)."""
-    return _select(_ATTN_REGISTRY, ATTN_ENV_VAR, device, _load_attention)
 
 
 __all__ = ["ATTN_ENV_VAR", "ENV_VAR", "AttentionKernels", "KVKernels", "available_attention_backends",

@@ -1,10 +1,13 @@
 """A C function compiled at first use by the system compiler and loaded with ctypes: the build and cache
 every CPU kernel here shares (kernels/cpu_attention.py, kernels/cpu_kv.py).
 
-The shared object is cached under `MOORAGE_KERNEL_CACHE` (default `~/.cache/moorage/kernels`, or a per-user
-temp dir when home is read-only), keyed by source, flags, compiler, its version and the CPU (-march=native
-code runs only on the CPU it was built for). Flag sets are tried in order until one builds and loads; when
-none does (no compiler, say), `load()` raises RuntimeError and the caller uses its torch reference.
+The C sources are files of their own, kernels/csrc/*.c (a C editor, compiler warnings and diffs see C, not
+a Python string); a kernel reads its file when it builds. The shared object is cached under
+`MOORAGE_KERNEL_CACHE` (default `~/.cache/moorage/kernels`, or a per-user temp dir when home is read-only),
+keyed by the source's text, flags, compiler, its version and the CPU (-march=native code runs only on the
+CPU it was built for), so an edited .c builds anew. Flag sets are tried in order until one builds and
+loads; when none does (no compiler, or the .c missing from an install, say), `load()` raises RuntimeError
+and the caller uses its torch reference.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MOORAGE_KERNEL_CACHE"
+CSRC = Path(__file__).resolve().parent / "csrc"  # the kernels' C sources
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared"]
+# tried in order: the first that compiles and loads wins (no -march=native: a compiler that lacks it; no
+# -fopenmp: a compiler without OpenMP, one thread)
+FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native", "-fopenmp-simd"], ["-fopenmp"], ["-fopenmp-simd"])
 
 
 def cache_dir() -> Path:
@@ -52,12 +60,12 @@ def cpu_id() -> str:
 
 @dataclass
 class CKernel:
-    name: str                      # the .c/.so file stem
-    source: str
+    name: str                      # the .so file stem (and the built .c's)
+    source: Path                   # the C source file, read at each build
     symbol: str                    # the C function to load
     argtypes: list
     flag_sets: list[list[str]]     # each appended to base_flags, tried in order
-    base_flags: list[str] = field(default_factory=lambda: ["-O3", "-fno-math-errno", "-fPIC", "-shared"])
+    base_flags: list[str] = field(default_factory=lambda: list(BASE_FLAGS))
     libs: list[str] = field(default_factory=list)  # e.g. ["-lm"], after the source
     what: str = "CPU kernel"       # for messages
     more: dict[str, list] = field(default_factory=dict)  # further symbols of the same library: name -> argtypes
@@ -68,8 +76,9 @@ class CKernel:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def build(self, cc: str, flags: list[str]) -> Path:
+        text = self.source.read_text(encoding="utf-8")  # once: the text hashed is the text compiled
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([self.source, " ".join(flags), cc, version, cpu_id()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([text, " ".join(flags), cc, version, cpu_id()]).encode()).hexdigest()[:16]
         out = cache_dir() / f"{self.name}-{key}.so"
         if out.exists():
             return out
@@ -85,7 +94,7 @@ class CKernel:
             out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / f"{self.name}.c"
-            src.write_text(self.source)
+            src.write_text(text, encoding="utf-8")
             so = Path(tmp) / out.name
             r = subprocess.run([cc, *flags, str(src), "-o", str(so), *self.libs], capture_output=True, text=True,
                                timeout=120)

@@ -12,11 +12,14 @@ Every function validates first and raises ValueError before writing anything.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import crc32c
 import torch
 
-from shared.kv_layout import KVLayout
+# kernels/ imports nothing from shared/ at run time (tests/test_layering.py): a layout is only read, duck-typed
+if TYPE_CHECKING:
+    from shared.kv_layout import KVLayout
 
 IndexLike = torch.Tensor | Sequence[int]
 

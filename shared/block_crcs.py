@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import cpu_kv
+from kernels import cpu_crc, cpu_kv
 from shared.kv_object import checksum
 from shared.page_writes import to_runs
 
@@ -29,9 +29,9 @@ def blocks_crc(page: torch.Tensor, ids: list[int], threads: int = 0) -> int:
     place: per-block registers joined (the C kernel: folded or three lanes, `threads` threads, 0 = torch's), or
     piece by piece (crc32c) without it."""
     with cpu_kv.threads(threads or torch.get_num_threads()):
-        regs = cpu_kv.block_crcs(page, ids)
+        regs = cpu_crc.block_crcs(page, ids)
     if regs is not None:
-        return cpu_kv.join_crcs(regs, page.shape[1])
+        return cpu_crc.join_crcs(regs, page.shape[1])
     crc = 0
     for b, n in to_runs(ids):
         crc = checksum(page[b:b + n].view(-1), crc)
@@ -47,7 +47,7 @@ class BlockCRCs:
         self._raw = [[0] * n for _ in pages]
         self._at = [[-1] * n for _ in pages]  # generation each register was read at (-1: none)
         self.enabled = all(p.is_cpu and p.is_contiguous() for p in pages) and \
-            cpu_kv.block_crcs(self._bytes[0], []) is not None
+            cpu_crc.block_crcs(self._bytes[0], []) is not None
         self.reads = self.reuses = 0  # blocks read / registers reused (counters, for tests and traces)
 
     def run_crc(self, stage: int, first: int, count: int, full: int) -> tuple[int, int]:
@@ -61,7 +61,7 @@ class BlockCRCs:
         missing = [b for k, b in enumerate(ids) if k >= full or at[b] != gen[b]]
         if missing:
             with cpu_kv.threads(1):  # beside the Transfer Engine's write
-                got = cpu_kv.block_crcs(self._bytes[stage], missing)
+                got = cpu_crc.block_crcs(self._bytes[stage], missing)
             fresh = dict(zip(missing, got))
         else:
             fresh = {}
@@ -75,4 +75,4 @@ class BlockCRCs:
                 regs.append(raw[b])
         self.reads += len(missing)
         self.reuses += count - len(missing)
-        return cpu_kv.join_crcs(regs, self.block_bytes[stage]), count - len(missing)
+        return cpu_crc.join_crcs(regs, self.block_bytes[stage]), count - len(missing)

@@ -6,7 +6,7 @@ Decode checks each landed slot against it in the thread that scatters, before a 
 A mismatch, or a SlotsFilled without checksums, fails that request (prefill turns the refusal into a
 503, the router retries it once when the client has received nothing yet): never wrong tokens.
 
-CRC-32C (Castagnoli) as shared/kv_object.checksum computes it: the C kernel's (kernels/cpu_kv.py: folded
+CRC-32C (Castagnoli) as shared/kv_object.checksum computes it: the C kernel's (kernels/cpu_crc.py: folded
 with VPCLMULQDQ where the CPU has it, 8 MiB in cache in 0.19 ms on one core of the 2-core dev box; else
 three interleaved lanes of the CRC instruction, 0.55 ms), else the `crc32c` package (SSE4.2 / ARMv8 CRC
 instructions where the CPU has them). Both release the GIL, so the event loop keeps running meanwhile. Measured earlier, 8 MiB: crc32c 0.35-0.44 ms, zlib.crc32

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from kernels import cpu_kv
+from kernels import cpu_crc
 
 MAGIC = b"MRGKV1"
 FORMAT_VERSION = 2  # 2: payload CRC-32C (1: zlib CRC-32, refused)
@@ -44,7 +44,7 @@ def checksum(payload: torch.Tensor, value: int = 0) -> int:
     """CRC-32C of a contiguous CPU uint8 tensor, read in place (releases the GIL): the C kernel's, else the
     crc32c package's. `value`: the CRC of the bytes before these (a payload read in pieces is checked
     piece by piece)."""
-    crc = cpu_kv.crc32c(payload, value)
+    crc = cpu_crc.crc32c(payload, value)
     return crc32c.crc32c(payload.numpy(), value=value) if crc is None else crc
 
 

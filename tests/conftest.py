@@ -34,3 +34,18 @@ def nats_url():
     """A real NATS for this module: NATS_URL, else testcontainers, else the nats-server binary."""
     with _nats_url() as url:
         yield url
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only under MOORAGE_GPU_TESTS=1 (`make test-gpu`, on a CUDA machine); anywhere
+    else they are deselected, so `make test` neither runs nor counts them (not skipped either)."""
+    import os
+
+    if os.environ.get("MOORAGE_GPU_TESTS") == "1":
+        keep = [i for i in items if i.get_closest_marker("gpu")]
+    else:
+        keep = [i for i in items if not i.get_closest_marker("gpu")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

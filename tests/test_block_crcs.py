@@ -11,7 +11,7 @@ import crc32c
 import pytest
 import torch
 
-from kernels import cbuild, cpu_kv
+from kernels import cbuild, cpu_crc, cpu_kv
 from shared.block_crcs import BlockCRCs
 from shared.engine.block_manager import BlockManager
 
@@ -31,14 +31,14 @@ def test_block_registers_join_into_the_crc_of_any_sequence_of_blocks():
     bb = pages[0].numel()
     rng = random.Random(1)
     for ids in ([0], [5, 6, 7], list(range(32)), [9, 2, 2, 31], []):
-        assert cpu_kv.join_crcs(cpu_kv.block_crcs(pages, ids), bb) == _crc(pages, ids)
+        assert cpu_crc.join_crcs(cpu_crc.block_crcs(pages, ids), bb) == _crc(pages, ids)
     for _ in range(20):
         ids = rng.sample(range(32), rng.randint(1, 32))
-        assert cpu_kv.join_crcs(cpu_kv.block_crcs(pages, ids), bb) == _crc(pages, ids)
+        assert cpu_crc.join_crcs(cpu_crc.block_crcs(pages, ids), bb) == _crc(pages, ids)
     small = torch.randint(0, 256, (4, 100), dtype=torch.uint8)  # under the three lanes' minimum
-    assert cpu_kv.join_crcs(cpu_kv.block_crcs(small, [3, 1]), 100) == _crc(small, [3, 1])
+    assert cpu_crc.join_crcs(cpu_crc.block_crcs(small, [3, 1]), 100) == _crc(small, [3, 1])
     with pytest.raises(ValueError):
-        cpu_kv.block_crcs(pages, [32])
+        cpu_crc.block_crcs(pages, [32])
 
 
 def test_full_blocks_keep_their_registers_until_allocated_again():
@@ -64,7 +64,7 @@ def test_full_blocks_keep_their_registers_until_allocated_again():
 
 
 def test_without_the_kernel_every_write_is_checksummed_whole(monkeypatch):
-    monkeypatch.setattr(cpu_kv, "block_crcs", lambda pages, ids: None)
+    monkeypatch.setattr(cpu_crc, "block_crcs", lambda pages, ids: None)
     bm, pages = BlockManager(8, block_size=16), _pages(8)
     crcs = BlockCRCs([pages], bm.generation)
     assert not crcs.enabled
@@ -76,13 +76,13 @@ def test_the_kernels_crc32c_is_the_crc32c_packages():
     rng = random.Random(2)
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     for n in (0, 1, 7, 8, 255, 256, 767, 768, 769, 4096 * 3 + 5, 3 << 20):
-        assert cpu_kv.crc32c(data[:n]) == crc32c.crc32c(data[:n].numpy()), n
+        assert cpu_crc.crc32c(data[:n]) == crc32c.crc32c(data[:n].numpy()), n
     for _ in range(10):  # continued over pieces
         cut = rng.randint(0, data.numel())
-        assert cpu_kv.crc32c(data[cut:], cpu_kv.crc32c(data[:cut])) == crc32c.crc32c(data.numpy())
+        assert cpu_crc.crc32c(data[cut:], cpu_crc.crc32c(data[:cut])) == crc32c.crc32c(data.numpy())
     floats = torch.randn(1001)
-    assert cpu_kv.crc32c(floats) == crc32c.crc32c(floats.numpy().tobytes())
-    assert cpu_kv.crc32c(data[::2]) is None  # not contiguous: the caller's fallback
+    assert cpu_crc.crc32c(floats) == crc32c.crc32c(floats.numpy().tobytes())
+    assert cpu_crc.crc32c(data[::2]) is None  # not contiguous: the caller's fallback
 
 
 def _cpu_flags() -> set[str]:
@@ -99,9 +99,9 @@ def test_folded_and_three_lane_crcs_both_equal_the_crc32c_packages():
     flags = _cpu_flags()
     if not {"sse4_2"} <= flags:
         pytest.fail(f"an x86 CPU with SSE4.2 is what this suite runs on; flags: {sorted(flags)[:20]}")
-    assert cpu_kv.crc_folds() == ({"avx512f", "vpclmulqdq"} <= flags)
-    lanes = cbuild.CKernel("kv_copy_sse42", cpu_kv._C_SOURCE, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
-                           [["-msse4.2", "-fopenmp-simd"]], base_flags=cpu_kv._BASE_FLAGS,
+    assert cpu_crc.crc_folds() == ({"avx512f", "vpclmulqdq"} <= flags)
+    lanes = cbuild.CKernel("kv_copy_sse42", cpu_kv.KERNEL.source, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
+                           [["-msse4.2", "-fopenmp-simd"]], base_flags=cbuild.BASE_FLAGS,
                            more={"moorage_crc32c": cpu_kv._CRC32C_ARGS, "moorage_crc_folds": []})
     assert lanes.available() and lanes.symbol_fn("moorage_crc_folds")() == 0
 
@@ -119,5 +119,5 @@ def test_folded_and_three_lane_crcs_both_equal_the_crc32c_packages():
         piece = data[start:start + n]
         value = rng.choice([0, rng.randrange(1 << 32)])
         want = crc32c.crc32c(piece.numpy(), value=value)
-        assert cpu_kv.crc32c(piece, value) == want, (n, start, value)
+        assert cpu_crc.crc32c(piece, value) == want, (n, start, value)
         assert three_lanes(piece, value) == want, (n, start, value)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cbuild, cpu_kv, get_kv_kernels
+from kernels import cbuild, cpu_kv, cpu_prefault, get_kv_kernels
 from kernels import reference as ref
 from kernels.reference import rank_num_tokens
 from shared.kv_layout import KVLayout, allocate_pages
@@ -244,19 +244,20 @@ def test_window_validation(kv):
 
 
 def test_prefault_changes_no_byte():
-    """cpu_kv.prefault faults blocks in (decode, while a handoff is on the wire) and leaves every byte
+    """cpu_prefault.prefault faults blocks in (decode, while a handoff is on the wire) and leaves every byte
     as it was: written blocks keep their data, fresh ones stay zero."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64)
     (pages,) = allocate_pages(layout, 64)
     pages[3].normal_()
     before = pages.clone()
-    ok = cpu_kv.prefault(pages, [3, 4, 5, 9, 40, 41])
+    ok = cpu_prefault.prefault(pages, [3, 4, 5, 9, 40, 41])
     release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
     if platform.system() == "Linux" and release >= (5, 14):  # MADV_POPULATE_WRITE exists
         assert ok
     assert torch.equal(pages, before)
-    assert cpu_kv.prefault(pages[:, :1], [1]) is False  # not contiguous: nothing done
-    assert cpu_kv.prefault(pages, []) is False
+    assert cpu_prefault.prefault(pages[:, :1], [1]) is False  # not contiguous: nothing done
+    assert cpu_prefault.prefault(pages, []) is False
+    assert cpu_kv.prefault is cpu_prefault.prefault  # services/decode/landing.py and the page warmer import it there
 
 
 def test_prefault_populates_in_bounded_pieces(monkeypatch):
@@ -274,16 +275,16 @@ def test_prefault_populates_in_bounded_pieces(monkeypatch):
             calls.append((addr, length))
             return 0
 
-    monkeypatch.setattr(cpu_kv, "_libc", [Libc()])
-    blocks = [*range(2, 2 + 3 * cpu_kv.POPULATE_PIECE_BYTES // block_bytes + 3), 50]
-    assert cpu_kv.prefault(pages, blocks)
-    assert max(n for _, n in calls) <= cpu_kv.POPULATE_PIECE_BYTES
+    monkeypatch.setattr(cpu_prefault, "_libc", [Libc()])
+    blocks = [*range(2, 2 + 3 * cpu_prefault.POPULATE_PIECE_BYTES // block_bytes + 3), 50]
+    assert cpu_prefault.prefault(pages, blocks)
+    assert max(n for _, n in calls) <= cpu_prefault.POPULATE_PIECE_BYTES
     assert len(calls) >= 5  # the long run in four or more pieces, block 50 in one
     base = pages.data_ptr()
     runs = [(base + 2 * block_bytes, base + (blocks[-2] + 1) * block_bytes), (base + 50 * block_bytes, base + 51 * block_bytes)]
     for lo, hi in runs:  # each run covered exactly, piece after piece (from its page-aligned start)
-        mine = sorted(c for c in calls if lo - cpu_kv._PAGE < c[0] < hi)
-        assert mine[0][0] == lo - lo % cpu_kv._PAGE and sum(n for _, n in mine) == hi - mine[0][0]
+        mine = sorted(c for c in calls if lo - cpu_prefault._PAGE < c[0] < hi)
+        assert mine[0][0] == lo - lo % cpu_prefault._PAGE and sum(n for _, n in mine) == hi - mine[0][0]
         assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:]))
 
 
@@ -420,6 +421,22 @@ def test_cpu_bad_ids_raise_the_reference_error_before_writing():
 
 
 @needs_cpu
+def test_the_c_sources_are_files_and_an_edited_one_builds_anew(tmp_path, monkeypatch):
+    """The kernels' C lives in kernels/csrc/*.c, read when a kernel builds; the cache key is the file's text,
+    so an edit builds a new .so (never the stale one) and the unedited text finds its build again."""
+    assert cpu_kv.KERNEL.source == cbuild.CSRC / "kv_copy.c" and cpu_kv.KERNEL.source.is_file()
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path / "cache"))
+    src = tmp_path / "answer.c"
+    src.write_text("int moorage_answer(void) { return 41; }\n")
+    kernel = cbuild.CKernel("answer", src, "moorage_answer", [], [[]])
+    assert kernel.load()() == 41
+    src.write_text("int moorage_answer(void) { return 42; }\n")
+    kernel.reset()
+    assert kernel.load()() == 42
+    assert len(list((tmp_path / "cache").glob("answer-*.so"))) == 2
+
+
+@needs_cpu
 def test_cpu_functions_reload_after_reset_and_fall_back_without_a_compiler(tmp_path, monkeypatch):
     """Both C entry points come from one library (cbuild's `more` symbols): after a reset they load
     again; with no compiler and an empty cache the module's functions still answer, through the reference."""
@@ -523,8 +540,8 @@ def test_cpu_crc_split_over_threads_anywhere_equals_crc32c(monkeypatch, knobs):
 def test_a_build_without_the_crc_instruction_refuses_a_crc_before_copying():
     """Without -march=native there is no CRC-32C instruction: the C routine answers -5 and moves no
     byte, so cpu_kv's crc functions take the reference's path (still the right CRC)."""
-    plain = cbuild.CKernel("kv_copy_nocrc", cpu_kv._C_SOURCE, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
-                           [["-fopenmp"], ["-fopenmp-simd"]], base_flags=cpu_kv._BASE_FLAGS,
+    plain = cbuild.CKernel("kv_copy_nocrc", cpu_kv.KERNEL.source, "moorage_kv_tokens", cpu_kv._TOKENS_ARGS,
+                           [["-fopenmp"], ["-fopenmp-simd"]], base_flags=cbuild.BASE_FLAGS,
                            more={"moorage_kv_blocks": cpu_kv._BLOCKS_ARGS})
     assert plain.available()
     fn = plain.symbol_fn("moorage_kv_blocks")

@@ -10,7 +10,8 @@ from shared.config import ConfigError, load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv_sizing import AUTO_SHARE, MemorySpec, parse_memory, size_kv
 from shared.engine.models import load_model
-from infra.up import ENGINE_PROCESS_BYTES, UpConfig, plan, split_kv
+from infra.up import (ENGINE_DEVICE_BYTES, ENGINE_PROCESS_BYTES, UpConfig, device_free_bytes, engine_device, plan,
+                      split_kv)
 
 GiB = 1 << 30
 
@@ -86,3 +87,31 @@ def test_up_on_a_busy_host_starts_smaller_and_says_clearly_when_it_cannot():
         split_kv(up_config().up, 256 << 20)
     with pytest.raises(ConfigError, match="up.kv_memory"):
         up_config("up.kv_memory=plenty")
+
+
+def test_up_splits_an_accelerator_among_its_engines_not_the_host():
+    """engine.device=cuda: the engines' KV comes out of the device's free memory, less each engine's weights,
+    context and activations; the stores' segments (host memory) are not subtracted from it."""
+    cfg = up_config("prefill.engine.device=cuda", "decode.engine.device=cuda", f"up.store_bytes={8 * GiB}")
+    assert engine_device(cfg) == "cuda"
+    kv = split_kv(cfg.up, 140 * GiB, "cuda")
+    assert kv.reserved == 2 * ENGINE_DEVICE_BYTES
+    assert kv.decode_bytes == kv.prefill_bytes == int((140 * GiB - 2 * ENGINE_DEVICE_BYTES) * 0.6 * 0.5)
+    host = split_kv(cfg.up, 140 * GiB)
+    assert host.reserved > 8 * GiB > kv.reserved
+
+
+def test_up_refuses_one_kv_split_over_two_devices():
+    cfg = up_config("prefill.engine.device=cuda", "decode.engine.device=cpu")
+    with pytest.raises(ConfigError, match="different devices"):
+        engine_device(cfg)
+
+
+def test_device_free_memory_failure_is_a_config_error():
+    """A device this torch cannot use (a CPU build asked for cuda) fails `moorage up` with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device: the failure path needs one without")  # not counted: gpu hosts only
+    with pytest.raises(ConfigError, match="cannot read its free memory"):
+        device_free_bytes("cuda")

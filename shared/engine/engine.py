@@ -267,7 +267,7 @@ class Engine:
         if not samplers:
             return []
         seqs = [batch.seqs[i] for i in samplers]
-        tokens = sample(logits, [s.params for s in seqs], [s.next_generator() for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.next_generator(logits.device) for s in seqs])
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
             if not seq.output_ids:

@@ -120,7 +120,7 @@ class Guides:
             n = self.ll_tok.vocab_size
             sub = logits[rows].float()
             head = sub[:, :n].contiguous()
-            llt.apply_token_bitmask_inplace(head, masks)
+            llt.apply_token_bitmask_inplace(head, masks.to(head.device, non_blocking=True))
             sub[:, :n] = head
             sub[:, n:] = float("-inf")  # ids the tokenizer does not have (a padded model vocabulary)
             logits[rows] = sub.to(logits.dtype)

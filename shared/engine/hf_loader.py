@@ -1,4 +1,5 @@
-"""Read a Hugging Face style model directory (config.json + *.safetensors) into our weight names."""
+"""Read a Hugging Face style model directory (config.json + *.safetensors) into our weight names: Llama
+(SmolLM2 and the like) and Gemma 3 text models; what the engine does not implement is refused by name."""
 
 from __future__ import annotations
 
@@ -13,20 +14,71 @@ from shared.engine.model_config import ModelConfig
 _PREFIX = "model."
 
 
+_GEMMA3_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "q_norm", "k_norm")
+
+
+def _rope_thetas(cfg: dict) -> tuple[float, float, list[str]]:
+    """(global base, local base, refusals): transformers 5 nests RoPE under rope_parameters (per layer type
+    for Gemma 3), 4.x spells rope_theta / rope_local_base_freq / rope_scaling."""
+    params = cfg.get("rope_parameters") or {}
+    if params and "rope_type" not in params:  # per layer type
+        full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+    else:
+        full = params or {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    refused = []
+    for kind, p in (("global", full), ("local", local)):
+        rtype = p.get("rope_type", p.get("type", "default"))
+        if rtype != "default":
+            refused.append(f"{kind} rope_scaling type {rtype!r} (rope_scaling)")
+    return float(full.get("rope_theta", 10000.0)), float(local.get("rope_theta", 10000.0)), refused
+
+
+def _gemma3_fields(cfg: dict, head_dim: int) -> tuple[dict, list[str]]:
+    """Gemma 3's ModelConfig fields (its layer pattern as one period) and what this engine refuses of it."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    refused = []
+    if types is not None:
+        expect = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        if list(types) != expect:
+            refused.append("layer_types other than one global layer every "
+                           f"{pattern} (layer_types)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            refused.append(f"logit soft-capping ({key})")
+    if cfg.get("use_bidirectional_attention"):
+        refused.append("bidirectional attention (use_bidirectional_attention)")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        refused.append(f"activation {cfg.get('hidden_activation')!r} (hidden_activation)")
+    return dict(arch="gemma3", explicit_head_dim=head_dim, sliding_window=int(cfg.get("sliding_window") or 0),
+                sliding_window_pattern=pattern,
+                query_scale=float(cfg.get("query_pre_attn_scalar", head_dim))), refused
+
+
 def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
     cfg = json.loads((model_dir / "config.json").read_text())
+    model_type = cfg.get("model_type", "llama")
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r} (only llama)")
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
-    unsupported = {"rope_scaling": f"rope_scaling type {kind!r}" if kind != "default" else None,
-                   "attention_bias": "q/k/v/o biases" if cfg.get("attention_bias") else None,
-                   "mlp_bias": "MLP biases" if cfg.get("mlp_bias") else None,
-                   "sliding_window": "a sliding window" if cfg.get("sliding_window") else None,
-                   "head_dim": "a head_dim other than hidden_size / num_attention_heads"
-                   if cfg.get("head_dim") not in (None, cfg["hidden_size"] // cfg["num_attention_heads"]) else None}
-    refused = [f"{why} ({key})" for key, why in unsupported.items() if why]
+    gemma = model_type == "gemma3_text"
+    if not gemma and model_type != "llama" and "LlamaForCausalLM" not in archs:
+        raise ValueError(f"unsupported model_type {model_type!r} (llama or gemma3_text)")
+    rope_theta, local_theta, refused = _rope_thetas(cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    unsupported = {"attention_bias": "q/k/v/o biases" if cfg.get("attention_bias") else None,
+                   "mlp_bias": "MLP biases" if cfg.get("mlp_bias") else None}
+    if gemma:
+        extra, more = _gemma3_fields(cfg, head_dim)
+        extra["rope_local_theta"] = local_theta
+        refused += more
+    else:
+        extra = {}
+        unsupported["sliding_window"] = "a sliding window" if cfg.get("sliding_window") else None
+        unsupported["head_dim"] = ("a head_dim other than hidden_size / num_attention_heads"
+                                   if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"] else None)
+    refused += [f"{why} ({key})" for key, why in unsupported.items() if why]
     if refused:  # served silently wrong otherwise (Llama 3.1's llama3 RoPE scaling diverged at the first token)
         raise ValueError(f"{name}: this engine does not implement {', '.join(refused)}")
     eos = cfg.get("eos_token_id")
@@ -40,11 +92,12 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
         vocab_size=cfg["vocab_size"],
         max_context=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=rope_theta,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **extra,
     )
 
 
@@ -63,6 +116,10 @@ def load_hf_dir(model_dir: str | Path, name: str | None = None) -> tuple[ModelCo
             # "layers.3.self_attn.q_proj.weight" -> "layers.3.q_proj"
             name_ = name_.replace(".self_attn.", ".").replace(".mlp.", ".").removesuffix(".weight")
             weights[name_] = tensor.to(torch.float32)
+    if config.gemma:  # Gemma's RMSNorm scales by (1 + w); ours by w, as the GGUF converter stores it
+        for key in weights:
+            if key == "norm" or key.rsplit(".", 1)[-1] in _GEMMA3_NORMS:
+                weights[key] = weights[key] + 1.0
     if config.tie_embeddings:
         weights.pop("lm_head", None)
     return config, weights

@@ -20,8 +20,11 @@ from shared.kv_layout import KVLayout
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(var + eps) * weight
+    """Normalised in fp32 whatever the compute dtype (as transformers does), then scaled in it; in fp32 the
+    casts are no-ops."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
 class RotaryEmbedding:
@@ -88,9 +91,10 @@ class LlamaModel:
                 layer["mlp_norm"] = w[p + "post_attention_layernorm"]
             self.layers.append(layer)
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device)
-        self.local_rope = (RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_context, self.device)
-                           if any(self.windows) else None)
+        # cos/sin computed in fp64 and rounded once to the compute dtype (transformers rounds fp32 ones)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device, dtype)
+        self.local_rope = (RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_context, self.device,
+                                           dtype) if any(self.windows) else None)
         self.scale = (config.query_scale or config.head_dim) ** -0.5
         self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
         # paged attention backend (MOORAGE_ATTN_KERNELS or auto); replace the attribute to switch

@@ -61,17 +61,19 @@ class SamplingParams:
             return self
         return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
 
-    def make_generator(self, position: int = 0) -> torch.Generator | None:
-        """The generator for output token `position`. Seeded by (seed, position), not by history,
-        so a token sampled on prefill and the next ones sampled on decode form one stream, and a
-        request's samples never depend on its batch neighbours."""
+    def make_generator(self, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The generator for output token `position`, on the logits' device (a CPU generator cannot draw
+        for CUDA tensors). Seeded by (seed, position), not by history, so a token sampled on prefill and
+        the next ones sampled on decode form one stream, and a request's samples never depend on its
+        batch neighbours. The same seed gives the same stream on one device type; a CPU and a CUDA
+        generator give different ones."""
         import torch
 
         if self.greedy:
             return None
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         mixed = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-        return torch.Generator().manual_seed(int.from_bytes(mixed, "little") >> 1)
+        return torch.Generator(device=device).manual_seed(int.from_bytes(mixed, "little") >> 1)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -97,7 +99,7 @@ def _require_finite(name: str, value: object) -> None:
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [V] float32 -> token id."""
+    """logits: [V] float32 -> token id. Everything runs on the logits' device; only the id comes back."""
     import torch
 
     if params.greedy:

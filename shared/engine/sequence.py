@@ -64,8 +64,8 @@ class Sequence:
         start, end = self.restored_range
         return max(0, min(self.num_device_cached, end) - start)
 
-    def next_generator(self) -> torch.Generator | None:
-        return self.params.make_generator(len(self.output_ids))
+    def next_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        return self.params.make_generator(len(self.output_ids), device)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -172,6 +172,8 @@ class BPETokenizer(Tokenizer):
         template = None
         if (path / "tokenizer_config.json").exists():
             template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+        if (path / "chat_template.jinja").exists():  # where transformers 4.50+ saves it
+            template = (path / "chat_template.jinja").read_text()
         return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), eos_token_ids,
                    template if isinstance(template, str) else None)
 

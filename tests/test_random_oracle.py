@@ -1,0 +1,78 @@
+"""moorage against transformers on random-weight checkpoints of both architectures, loaded from Hugging Face
+directories (tests/random_oracle.py): greedy output token for token, past Gemma 3's sliding window, with
+prompts batched together and across block boundaries; and what the loader refuses of a Gemma 3 config.
+The same checks run on a GPU at the real models' shapes in tests/gpu/test_engine_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.hf_loader import read_hf_config
+from shared.engine.models import load_model
+from shared.engine.sampling import SamplingParams
+from tests import random_oracle as oracle
+
+NEW_TOKENS = 24
+LOGIT_ATOL = 1e-4  # fp32 on CPU: measured 2e-6..1e-5
+
+
+@pytest.fixture(scope="module", params=["smollm2-small", "gemma3-small"])
+def checkpoint(request, tmp_path_factory):
+    model = oracle.build_hf_model(request.param)
+    path = oracle.save_hf_model(model, tmp_path_factory.mktemp(request.param))
+    return request.param, model, path
+
+
+def test_greedy_equals_transformers(checkpoint):
+    shape, model, path = checkpoint
+    loaded = load_model(str(path))
+    assert loaded.config.arch == oracle.SHAPES[shape]["arch"]
+    engine = Engine(loaded, EngineConfig(num_blocks=256, kv_warm_ahead="0", max_batched_tokens=64))
+    # 70 + 24 tokens run past gemma3-small's 24-token window; 64-token steps split the long prompt
+    prompts = oracle.prompts(oracle.SHAPES[shape]["vocab_size"], (5, 17, 40, 70))
+    want = oracle.hf_greedy(model, prompts, NEW_TOKENS)
+    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [s.output_ids for s in seqs] == want
+
+
+def test_first_token_logits_match(checkpoint):
+    shape, model, path = checkpoint
+    engine = Engine(load_model(str(path)), EngineConfig(num_blocks=64, kv_warm_ahead="0", record_prompt_logits=True))
+    prompt = oracle.prompts(oracle.SHAPES[shape]["vocab_size"], (50,), seed=7)[0]
+    seq = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+    ours = seq.prompt_logits.float().cpu()
+    theirs = oracle.hf_last_logits(model, prompt)
+    err = float((ours - theirs).abs().max())
+    print(f"{shape}: max |logit diff| {err:.2e}")
+    assert err < LOGIT_ATOL
+
+
+def _gemma_dir(tmp_path, **changes):
+    cfg = oracle.hf_config("gemma3-small").to_dict()
+    cfg.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"layer_types": ["full_attention"] * 7}, "layer_types"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "'linear'"),
+    ({"hidden_activation": "silu"}, "hidden_activation"),
+])
+def test_gemma3_configs_the_engine_cannot_serve_are_refused(tmp_path, changes, named):
+    with pytest.raises(ValueError, match=named):
+        read_hf_config(_gemma_dir(tmp_path, **changes), "g")
+
+
+def test_gemma3_config_fields(tmp_path):
+    c = read_hf_config(_gemma_dir(tmp_path), "g")
+    assert (c.arch, c.head_dim, c.sliding_window, c.sliding_window_pattern) == ("gemma3", 64, 24, 6)
+    assert (c.rope_theta, c.rope_local_theta, c.query_scale, c.tie_embeddings) == (1e6, 1e4, 64.0, True)
+    assert [c.layer_window(i) for i in range(7)] == [24] * 5 + [0, 24]

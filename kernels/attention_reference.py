@@ -71,7 +71,9 @@ def paged_prefill(q: torch.Tensor, pages: torch.Tensor, local_layer: int, segmen
         if window and seg.ctx_len > window:  # only the last `window` positions can be seen: read just those
             start = max(0, seg.ctx_len - seg.q_len - window + 1)
             k, v = k[:, :, start:], v[:, :, start:]
-            mask = _prefill_mask(seg, q, window)[:, start:]
+            # contiguous: a mask sliced at an odd column is misaligned for CUDA's memory-efficient SDPA kernel
+            # ("misaligned address" with bf16 on an H200)
+            mask = _prefill_mask(seg, q, window)[:, start:].contiguous()
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         elif seg.q_len == seg.ctx_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)

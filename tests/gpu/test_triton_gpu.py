@@ -1,0 +1,90 @@
+"""The Triton kernels compiled for the GPU against the torch reference on the same device, at serving sizes,
+and KV staged between device pages and pinned host buffers (the path KV takes off a GPU without GPUDirect)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import attention_reference as ref_attn
+from kernels import reference as ref
+from kernels import triton_attention, triton_kv
+from shared.kv_layout import KVLayout
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_on_device(hq, hkv, d, dtype, report):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_blocks, batch, ctx_max = 32 * 520, 32, 8192
+    pages = torch.randn(n_blocks, 1, 2, 16, hkv, d, device="cuda", generator=g).to(dtype)
+    tables = torch.randperm(n_blocks, device="cuda", generator=g)[:batch * 512].view(batch, 512)
+    ctx = torch.randint(1, ctx_max + 1, (batch,), device="cuda", generator=g)
+    ctx[0], ctx[1] = 1, ctx_max
+    q = torch.randn(batch, hq, d, device="cuda", generator=g).to(dtype)
+    errs = {}
+    for window in (0, 512):
+        want = ref_attn.paged_decode(q, pages, 0, tables, ctx, d ** -0.5, window)
+        got = triton_attention.paged_decode(q, pages, 0, tables, ctx, d ** -0.5, window)
+        errs[window] = float((got.float() - want.float()).abs().max())
+    report(shape=f"{hq}/{hkv}/{d}", dtype=str(dtype).split(".")[-1], max_err=f"{max(errs.values()):.1e}")
+    assert max(errs.values()) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_kv_copies_on_device_are_the_reference_s_bytes(report):
+    layout = KVLayout(30, 3, 64, dtype=torch.bfloat16, stages=2)
+    pages = [torch.randn(layout.page_shape(s, 4096), device="cuda").to(torch.bfloat16) for s in range(2)]
+    ids = torch.randperm(4096, device="cuda")[:64]
+    assert torch.equal(triton_kv.pack_chunk(pages[0], ids), ref.pack_chunk(pages[0], ids))
+    table = torch.randperm(4096, device="cuda")[:512]
+    for cp, first in ((1, 0), (2, 100)):
+        want = ref.gather_for_ranks(pages, table, 8000, cp, layout, first=first)
+        got = triton_kv.gather_for_ranks(pages, table, 8000, cp, layout, first=first)
+        assert all(torch.equal(w, x) for w, x in zip(want, got))
+    single = torch.zeros(4096, 30, 2, 16, 3, 64, dtype=torch.bfloat16, device="cuda")
+    other = single.clone()
+    ref.scatter_from_rank(want[0], single, table, want[0].shape[0])
+    triton_kv.scatter_from_rank(want[0], other, table, want[0].shape[0])
+    assert torch.equal(single, other)
+    report(checked="pack, gather cp1/cp2, scatter at 8K tokens bf16")
+
+
+def test_staged_copies_through_pinned_host_buffers(report):
+    """Device pages -> pinned host buffer (pack, gather) and back (unpack, scatter): the same bytes as the
+    reference, CRCs over the host bytes, and the staged gather's rate against a bare D2H copy."""
+    layout = KVLayout(30, 3, 64, dtype=torch.bfloat16)
+    pages = torch.randn(layout.page_shape(0, 4096), device="cuda").to(torch.bfloat16)
+    ids = list(range(100, 116))
+    host = torch.empty(16 * pages[0].numel(), dtype=torch.bfloat16).pin_memory()
+    crc = triton_kv.pack_chunk_crc(pages, ids, host)
+    assert crc == ref._crc(ref.pack_chunk(pages, ids)) and torch.equal(host.cuda(), ref.pack_chunk(pages, ids).reshape(-1))
+    back = torch.zeros_like(pages)
+    assert triton_kv.unpack_chunk_crc(host, back, ids) == crc and torch.equal(back[100:116], pages[100:116])
+    table = torch.randperm(4096, device="cuda")[:512]
+    n = 8192
+    out = torch.empty(n * layout.bytes_per_token // 2, dtype=torch.bfloat16).pin_memory()
+    triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out])
+    assert torch.equal(out.cuda(), ref.gather_for_ranks([pages], table, n, 1, layout)[0].reshape(-1))
+    landed = torch.zeros_like(pages)
+    triton_kv.scatter_from_rank(out, landed, table, n)
+    assert torch.equal(landed[table], pages[table])
+
+    def timed(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps / 1e3
+
+    src = torch.empty_like(out, device="cuda")
+    bare = timed(lambda: out.copy_(src, non_blocking=True))
+    staged = timed(lambda: triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out]))
+    gb = out.numel() * 2 / 1e9
+    report(bytes_mb=round(gb * 1e3), staged_gather_gbs=round(gb / staged, 1), bare_d2h_gbs=round(gb / bare, 1),
+           staged_over_bare=round(bare / staged, 2))

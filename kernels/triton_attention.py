@@ -5,7 +5,7 @@ copy): one program per (sequence, KV head, split of the context). A program hold
 KV head's group ([G, D], padded to 16 rows for tl.dot) and walks its split CONFIG.tok tokens at a time: each token's
 page comes from the block table, K and V rows are loaded once for the whole group, and an online
 softmax keeps (max, sum, acc) in fp32. A second kernel merges the splits by log-sum-exp. Splits are
-chosen so batch x KV heads x splits covers the device's multiprocessors about four times over (with one
+chosen so batch x KV heads x splits covers the device's multiprocessors about eight times over (with one
 program per sequence and head, batch 32 x 3 KV heads would leave most of an H200's 132 SMs idle), and are
 never shorter than MIN_SPLIT_TOKENS.
 
@@ -33,7 +33,7 @@ GROUP_PAD = 16          # tl.dot's smallest M
 @dataclass(frozen=True)
 class DecodeConfig:
     tok: int = 64        # tokens per inner step (4 pages of 16)
-    waves: int = 4       # programs per multiprocessor aimed at (through the number of splits)
+    waves: int = 8       # programs per multiprocessor aimed at (through the number of splits)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -123,7 +123,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 def num_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device,
                config: DecodeConfig | None = None) -> tuple[int, int]:
-    """(splits, tokens per split): enough programs for `waves` per multiprocessor, each split >= MIN_SPLIT_TOKENS."""
+    """(splits, tokens per split): `waves` programs per multiprocessor, each split >= MIN_SPLIT_TOKENS (8 waves,
+    64 tokens, 4 warps: the best overall of bench/attention_device.py --sweep on an H200)."""
     c = config or CONFIG
     want = max(1, -(-c.waves * _multiprocessors(device) // (batch * kv_heads)))
     most = max(1, -(-max_ctx // MIN_SPLIT_TOKENS))

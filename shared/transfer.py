@@ -64,6 +64,7 @@ class TransferConfig:
     tcp_progress_timeout_s: int = 10    # a stuck peer fails a write after this (process-wide)
     direct: bool = True                 # handoffs write KV straight into decode's pages when both block layouts match (no gather, no scatter); false, or a decode that cannot: through landing slots
     copy_threads: int = 0               # threads of a KV copy that overlaps a transfer: a handoff's gather (prefill) or scatter (decode), a restore's unpack (prefill); 0 = torch's
+    register_pages: bool = True         # false: the engine's KV pages are never registered with the transfer engine or the pool client, as a GPU's memory where GPUDirect is not available: handoffs go through staging buffers and landing slots, restores through registered buffers (the path KV takes off a device; on CPU, to test it)
     early_verify: str = "auto"          # prefill, direct handoff: tell decode which writes have landed while the rest are on the wire, so it verifies them meanwhile (PagesLanded): "on", "off", or "auto" = on unless protocol is tcp (there the CPUs copy the bytes, and a verify beside them slows the write more than it saves: bench/handoff.py)
 
     def __post_init__(self) -> None:

@@ -55,7 +55,7 @@ class Refused(ValueError):
 
 
 class DirectPages:
-    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True):
+    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True, register_pages: bool = True):
         self.zone, self.layout = zone, zone.layout
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
@@ -63,6 +63,7 @@ class DirectPages:
         self.inline_bytes = INLINE_VERIFY_BYTES
         self._early = started_executor(1, "decode-verify-early")  # checks on PagesLanded
         self.reason = ("transfer.direct is false" if not enabled else
+                       "transfer.register_pages is false" if not register_pages else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
         if self.reason is None:

@@ -70,13 +70,14 @@ class Active:
 
 class DecodeService:
     def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0,
-                 transport: KVTransport | None = None, direct: bool = False):
+                 transport: KVTransport | None = None, direct: bool = False, register_pages: bool = True):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
         # the direct handoff: prefill writes into our pages (registered with `transport`) when `direct`
-        self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None)
+        self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None,
+                                  register_pages=register_pages)
         self.active: dict[str, Active] = {}
         self.adopting: set[asyncio.Task] = set()  # acked handoffs the engine is taking
         self.log = ctx.log
@@ -231,7 +232,7 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
                                                                    cfg.transfer.copy_threads),
-                        cfg.holdings_grace_s, transport, cfg.transfer.direct)
+                        cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room

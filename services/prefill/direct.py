@@ -111,7 +111,7 @@ class DirectSender:
         while it stays the same."""
         self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
         self.transport, self.config = transport, config
-        self.enabled = config.direct and all(p.device.type == "cpu" for p in pages)
+        self.enabled = config.direct and config.register_pages and all(p.device.type == "cpu" for p in pages)
         if self.enabled:
             for p in pages:
                 transport.register(p)

@@ -383,7 +383,8 @@ async def serve(ctx: ServiceContext) -> None:
 
         same_fabric = cfg.transfer.protocol == cfg.pool.protocol  # the stores are reached the transport's way
         svc.pool = PoolConnector(client, engine, svc.loop, cfg.pool, on_store_event=saved,
-                                 copy_threads=cfg.transfer.copy_threads, transport=transport if same_fabric else None)
+                                 copy_threads=cfg.transfer.copy_threads, transport=transport if same_fabric else None,
+                                 register_pages=cfg.transfer.register_pages)
         svc.pool.saver.handing_off = svc.handing_off
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()

@@ -83,9 +83,10 @@ class BatchDone:
 
 class PoolConnector:
     def __init__(self, client, engine: Engine, loop: EngineLoop, settings, on_store_event=None, copy_threads: int = 0,
-                 transport: KVTransport | None = None):
+                 transport: KVTransport | None = None, register_pages: bool = True):
         """transport: prefill's Transfer Engine; with settings.restore_direct_reads restores read through it
-        (shared/pool_reads.py), else through the store client."""
+        (shared/pool_reads.py), else through the store client. register_pages false (transfer.register_pages):
+        the engine's pages are never registered, so restores land in the read buffers and are unpacked."""
         self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
         self.copy_threads = copy_threads or torch.get_num_threads()  # an unpack's (it overlaps the next read)
         self.bm, self.layout = engine.block_manager, engine.layout
@@ -98,7 +99,7 @@ class PoolConnector:
         self.min_restore = max(self.chunk, settings.min_restore_tokens)  # at least one chunk
         self.kernels = get_kv_kernels(engine.pages[0].device)
         # two read buffers: batch i+1 is read into one while batch i is verified (and unpacked) from the other
-        self.in_place = settings.restore_in_place and all(p.device.type == "cpu" for p in engine.pages)
+        self.in_place = settings.restore_in_place and register_pages and all(p.device.type == "cpu" for p in engine.pages)
         per_batch = settings.restore_batch_chunks * (self.stages * HEADER_BYTES if self.in_place else self.chunk_bytes)
         self.restore_bufs = [torch.empty(per_batch, dtype=torch.uint8) for _ in range(2)]
         for buf in self.restore_bufs:

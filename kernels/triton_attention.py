@@ -145,10 +145,12 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, local_layer: int, block_t
     q = q.contiguous()
     tables = block_tables.contiguous()
     ctx = ctx_lens.to(device=q.device, dtype=torch.int64).contiguous()
-    max_ctx = int(ctx.max()) if B else 0
     out = torch.empty_like(q)
     if B == 0:
         return out
+    # the table's width bounds every context: no device sync (ctx.max() would cost one per layer and step);
+    # splits past a shorter context end at once
+    max_ctx = tables.shape[1] * BS
     c = CONFIG
     splits, per = num_splits(B, Hkv, max_ctx, q.device, c)
     acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)

@@ -10,25 +10,25 @@ Every backend is a module exposing six functions with the signatures of `kernels
     scatter_from_rank(buf, pages, block_table, num_tokens_rank) -> None
 
 Backends are registered by module path plus an availability predicate, and imported only when
-selected, so e.g. triton/aiter are never imported on a CPU host. Auto-selection takes the first
+selected, so e.g. triton is never imported on a CPU host. Auto-selection takes the first
 available backend (registration order) serving the device type, falling back to reference (the rules
 of every family: kernels/registry.py, one Registry per family below).
-`MOORAGE_KV_KERNELS=reference|cpu|triton|aiter` forces one; if it is unknown, unavailable or does not
+`MOORAGE_KV_KERNELS=reference|cpu|triton` forces one; if it is unknown, unavailable or does not
 serve the device, get_kv_kernels raises instead of silently running something else.
 
 On CPU, `cpu` (kernels/cpu_kv.py: one strided-copy C routine compiled at first use, no index tensors)
 is picked when it builds, else `reference`.
 
-Plugging in a fast backend: add the module (e.g. kernels/triton_kv.py) with the six functions,
-make tests compare it against kernels.reference on the device; the entry below already points there.
-Until the module exists its predicate is false (find_spec), so nothing changes.
+On CUDA (and ROCm, whose torch names its GPUs cuda), `triton` (kernels/triton_kv.py) is picked where triton
+imports. Plugging in another backend: add the module with the six functions, register it below, and make
+tests compare it against kernels.reference on the device.
 
 Attention kernels are a second family with the same rules: `get_attention_kernels(device)`,
 `MOORAGE_ATTN_KERNELS=reference|cpu|triton` forces one. Every backend exposes the two functions of
 `kernels.attention_reference` (paged_decode, paged_prefill; see its docstring). On CPU, `cpu` (a C
 kernel compiled at first use, kernels/cpu_attention.py) is picked when it builds, else `reference`.
-A GPU backend is a module kernels/triton_attention.py (or aiter_attention.py) with the two functions,
-tested against the reference on the device; the entries below point there.
+On CUDA, `triton` (kernels/triton_attention.py), tested against the reference under Triton's interpreter in
+make test and on a GPU in tests/gpu.
 """
 
 from __future__ import annotations
@@ -112,17 +112,13 @@ def _cpu_attention_available() -> bool:
     return cpu_attention.available()
 
 
-# ROCm torch reports device type "cuda"; torch.version.hip tells the two apart.
-register_backend("aiter", "kernels.aiter_kv", ("cuda",),
-                 lambda: torch.version.hip is not None and _has("aiter") and _has("kernels.aiter_kv"))
+# The registry names only modules that exist. An AITER backend for ROCm (torch.version.hip set; ROCm torch
+# reports device type "cuda") would go first here, as kernels/aiter_kv.py and kernels/aiter_attention.py.
 register_backend("triton", "kernels.triton_kv", ("cuda",),
                  lambda: _has("triton") and _has("kernels.triton_kv"))
 register_backend("cpu", "kernels.cpu_kv", ("cpu",), lambda: _cpu_kv_available())
 register_backend("reference", "kernels.reference", None, lambda: True)
 
-register_attention_backend("aiter", "kernels.aiter_attention", ("cuda",),
-                           lambda: torch.version.hip is not None and _has("aiter")
-                           and _has("kernels.aiter_attention"))
 register_attention_backend("triton", "kernels.triton_attention", ("cuda",),
                            lambda: _has("triton") and _has("kernels.triton_attention"))
 register_attention_backend("cpu", "kernels.cpu_attention", ("cpu",), _cpu_attention_available)

@@ -560,3 +560,11 @@ def test_a_build_without_the_crc_instruction_refuses_a_crc_before_copying():
     assert fn(pages.data_ptr(), out.data_ptr(), ids.data_ptr(), 2, 4, pages[0].numel() * 4, 0, 0, 1 << 62, 1,
               None) == 0
     assert torch.equal(out, pages[[1, 2]].flatten())
+
+
+def test_the_registries_name_only_modules_that_exist():
+    import importlib.util
+
+    for registry in (kernels._REGISTRY, kernels._ATTN_REGISTRY):
+        for backend in registry.values():
+            assert importlib.util.find_spec(backend.module) is not None, backend

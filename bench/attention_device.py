@@ -22,7 +22,8 @@ import torch
 CASES = [("smollm2", 9, 3, 64), ("gqa-32/8/128", 32, 8, 128), ("gemma3-270m", 4, 1, 256)]
 
 
-def _time(fn, reps: int = 50, runs: int = 5) -> float:
+def cuda_seconds(fn, reps: int = 50, runs: int = 5) -> float:
+    """Seconds per call of `fn`: CUDA events around `reps` calls after 5 warm-ups, the median of `runs`."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -60,17 +61,17 @@ def run(batch: int = 32, ctx: int = 8192, dtype=torch.bfloat16, sweep: bool = Fa
                 try:
                     err = float((triton_attention.paged_decode(q, pages, 0, tables, lens, d ** -0.5).float()
                                  - want.float()).abs().max())
-                    t = _time(lambda: triton_attention.paged_decode(q, pages, 0, tables, lens, d ** -0.5), runs=3)
+                    t = cuda_seconds(lambda: triton_attention.paged_decode(q, pages, 0, tables, lens, d ** -0.5), runs=3)
                 finally:
                     triton_attention.CONFIG = default
                 nbytes_ = pages.numel() * pages.element_size()
                 configs.append({"case": name, **fields, "max_err": err, "ms": t * 1e3, "gbs": nbytes_ / t / 1e9})
                 print(f"  {name:14} {fields} {nbytes_ / t / 1e9:.0f} GB/s, max err {err:.1e}", flush=True)
-        tri = _time(lambda: triton_attention.paged_decode(q, pages, 0, tables, lens, d ** -0.5))
-        ref = _time(lambda: attention_reference.paged_decode(q, pages, 0, tables, lens, d ** -0.5), reps=5, runs=3)
+        tri = cuda_seconds(lambda: triton_attention.paged_decode(q, pages, 0, tables, lens, d ** -0.5))
+        ref = cuda_seconds(lambda: attention_reference.paged_decode(q, pages, 0, tables, lens, d ** -0.5), reps=5, runs=3)
         flat = pages.view(-1)
         dst = torch.empty_like(flat)
-        copy = _time(lambda: dst.copy_(flat))  # reads and writes: 2x the bytes
+        copy = cuda_seconds(lambda: dst.copy_(flat))  # reads and writes: 2x the bytes
         row = {"case": name, "heads": f"{hq}/{hkv}", "head_dim": d, "batch": batch, "context": ctx,
                "dtype": str(dtype).split(".")[-1], "bytes_read": nbytes, "triton_ms": tri * 1e3,
                "reference_ms": ref * 1e3, "triton_gbs": nbytes / tri / 1e9, "copy_gbs": 2 * flat.numel() *

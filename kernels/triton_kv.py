@@ -133,8 +133,10 @@ def gather_for_ranks(stage_pages: list[torch.Tensor], block_table, num_tokens: i
                      outs: list[torch.Tensor] | None = None, first: int = 0) -> list[torch.Tensor]:
     if outs is not None and len(outs) == cp and stage_pages and all(o.device.type == "cpu" for o in outs) \
             and stage_pages[0].device.type != "cpu":  # host buffers: checked as host tensors, filled via scratch
+        for r, o in enumerate(outs):
+            if not o.is_contiguous():
+                raise ValueError(f"gather_for_ranks outs[{r}]: buffer must be contiguous")
         staged = [torch.empty(o.shape, dtype=o.dtype, device=stage_pages[0].device) for o in outs]
-        _ = [ref._as_view(o, (o.numel(),), o, f"gather_for_ranks outs[{r}]") for r, o in enumerate(outs)]
         gather_for_ranks(stage_pages, block_table, num_tokens, cp, layout, staged, first)
         for o, s in zip(outs, staged):
             o.copy_(s, non_blocking=o.is_pinned())

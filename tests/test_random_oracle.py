@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.hf_loader import read_hf_config

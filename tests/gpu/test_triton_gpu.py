@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.attention_device import cuda_seconds
 from kernels import attention_reference as ref_attn
 from kernels import reference as ref
 from kernels import triton_attention, triton_kv
@@ -71,20 +72,9 @@ def test_staged_copies_through_pinned_host_buffers(report):
     triton_kv.scatter_from_rank(out, landed, table, n)
     assert torch.equal(landed[table], pages[table])
 
-    def timed(fn, reps=20):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps / 1e3
-
     src = torch.empty_like(out, device="cuda")
-    bare = timed(lambda: out.copy_(src, non_blocking=True))
-    staged = timed(lambda: triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out]))
+    bare = cuda_seconds(lambda: out.copy_(src, non_blocking=True))
+    staged = cuda_seconds(lambda: triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out]))
     gb = out.numel() * 2 / 1e9
     report(bytes_mb=round(gb * 1e3), staged_gather_gbs=round(gb / staged, 1), bare_d2h_gbs=round(gb / bare, 1),
            staged_over_bare=round(bare / staged, 2))

@@ -5,7 +5,7 @@ transformers' Llama and Gemma 3 code (its RoPE, norms, GQA, sliding-window masks
 so agreement token for token is a real check of the engine's math on whatever device both run on.
 
 Shapes: `smollm2` and `gemma3-270m` are the bundled models' real layer shapes (vocab included); `small`
-variants cut layers and vocabulary so a CPU test runs in seconds. Random weights give flat logits, so the
+variants (and the Qwen 2 / Qwen 3 ones) cut layers and vocabulary so a CPU test runs in seconds. Random weights give flat logits, so the
 initialiser is widened (INIT_STD) until the top two logits are far apart compared with fp32 error.
 """
 
@@ -28,6 +28,12 @@ SHAPES = {
     "smollm2-small": dict(arch="llama", vocab_size=2048, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
                           num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
                           rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "qwen2-small": dict(arch="qwen2", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3-small": dict(arch="qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
     # 7 layers: six local (window 24) and one global, as the real model's period
     "gemma3-small": dict(arch="gemma3", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=7,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=24,
@@ -36,7 +42,7 @@ SHAPES = {
 
 
 def hf_config(shape: str):
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     fields = dict(SHAPES[shape])
     arch = fields.pop("arch")
@@ -45,7 +51,7 @@ def hf_config(shape: str):
         fields["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
         return Gemma3TextConfig(**fields)
-    return LlamaConfig(**fields)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**fields)
 
 
 def build_hf_model(shape: str, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -55,10 +61,12 @@ def build_hf_model(shape: str, device: str = "cpu", seed: int = 0, dtype: torch.
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs: Gemma's 262K-row embedding takes seconds on a CPU
         model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.float32)
-    with torch.no_grad():  # Gemma's norms start at 0 (a scale of 1): give them random scales too
+    with torch.no_grad():  # norms start at 1 (Gemma's at 0) and Qwen 2's biases at 0: make them count
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0 if "gemma" in shape else 1.0, 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -1,6 +1,6 @@
-"""moorage against transformers on random-weight checkpoints of both architectures, loaded from Hugging Face
-directories (tests/random_oracle.py): greedy output token for token, past Gemma 3's sliding window, with
-prompts batched together and across block boundaries; and what the loader refuses of a Gemma 3 config.
+"""moorage against transformers on random-weight checkpoints (Llama, Qwen 2, Qwen 3, Gemma 3) loaded from
+Hugging Face directories (tests/random_oracle.py): greedy output token for token, past Gemma 3's sliding
+window, with prompts batched together and across block boundaries; and what the loader refuses of a config.
 The same checks run on a GPU at the real models' shapes in tests/gpu/test_engine_gpu.py."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ NEW_TOKENS = 24
 LOGIT_ATOL = 1e-4  # fp32 on CPU: measured 2e-6..1e-5
 
 
-@pytest.fixture(scope="module", params=["smollm2-small", "gemma3-small"])
+@pytest.fixture(scope="module", params=["smollm2-small", "qwen2-small", "qwen3-small", "gemma3-small"])
 def checkpoint(request, tmp_path_factory):
     model = oracle.build_hf_model(request.param)
     path = oracle.save_hf_model(model, tmp_path_factory.mktemp(request.param))
@@ -75,3 +75,24 @@ def test_gemma3_config_fields(tmp_path):
     assert (c.arch, c.head_dim, c.sliding_window, c.sliding_window_pattern) == ("gemma3", 64, 24, 6)
     assert (c.rope_theta, c.rope_local_theta, c.query_scale, c.tie_embeddings) == (1e6, 1e4, 64.0, True)
     assert [c.layer_window(i) for i in range(7)] == [24] * 5 + [0, 24]
+
+
+@pytest.mark.parametrize("shape, changes, named", [
+    ("qwen2-small", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+    ("qwen3-small", {"attention_bias": True}, "attention_bias"),
+    ("qwen2-small", {"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_qwen_configs_the_engine_cannot_serve_are_refused(tmp_path, shape, changes, named):
+    cfg = {**oracle.hf_config(shape).to_dict(), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=named):
+        read_hf_config(tmp_path, "q")
+
+
+def test_qwen_config_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(oracle.hf_config("qwen3-small").to_dict()))
+    c = read_hf_config(tmp_path, "q")
+    assert (c.arch, c.head_dim, c.qk_norm, c.qkv_bias, c.rope_theta, c.tie_embeddings) == ("qwen3", 64, True, False, 1e6, False)
+    (tmp_path / "config.json").write_text(json.dumps(oracle.hf_config("qwen2-small").to_dict()))
+    c = read_hf_config(tmp_path, "q")
+    assert (c.arch, c.qk_norm, c.qkv_bias, c.sliding_window) == ("qwen2", False, True, 0)

@@ -1,5 +1,5 @@
 """Read a Hugging Face style model directory (config.json + *.safetensors) into our weight names: Llama
-(SmolLM2 and the like) and Gemma 3 text models; what the engine does not implement is refused by name."""
+(SmolLM2 and the like), Qwen 2 / 2.5 / 3 and Gemma 3 text models; what the engine does not implement is refused by name."""
 
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
     model_type = cfg.get("model_type", "llama")
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     gemma = model_type == "gemma3_text"
-    if not gemma and model_type != "llama" and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"unsupported model_type {model_type!r} (llama or gemma3_text)")
+    qwen = model_type in ("qwen2", "qwen3")
+    if not (gemma or qwen) and model_type != "llama" and "LlamaForCausalLM" not in archs:
+        raise ValueError(f"unsupported model_type {model_type!r} (llama, qwen2, qwen3 or gemma3_text)")
     rope_theta, local_theta, refused = _rope_thetas(cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     unsupported = {"attention_bias": "q/k/v/o biases" if cfg.get("attention_bias") else None,
@@ -73,6 +74,13 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
         extra, more = _gemma3_fields(cfg, head_dim)
         extra["rope_local_theta"] = local_theta
         refused += more
+    elif qwen:  # Qwen 2 always has q/k/v biases; Qwen 3 has none (attention_bias would add o_proj's too)
+        extra = dict(arch=model_type, explicit_head_dim=head_dim, qkv_bias=model_type == "qwen2",
+                     qk_norm=model_type == "qwen3")
+        unsupported["attention_bias"] = "q/k/v/o biases" if model_type == "qwen3" and cfg.get("attention_bias") else None
+        unsupported["use_sliding_window"] = "a sliding window" if cfg.get("use_sliding_window") else None
+        if cfg.get("hidden_act", "silu") != "silu":
+            refused.append(f"activation {cfg.get('hidden_act')!r} (hidden_act)")
     else:
         extra = {}
         unsupported["sliding_window"] = "a sliding window" if cfg.get("sliding_window") else None

@@ -1,5 +1,5 @@
-"""A decoder in plain torch: Llama (RMSNorm, RoPE rotate-half, GQA, SwiGLU, tied embeddings) and Gemma 3
-(the same, plus q/k RMSNorm, norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
+"""A decoder in plain torch: Llama (RMSNorm, RoPE rotate-half, GQA, SwiGLU, tied embeddings), Qwen 2 (the
+same with q/k/v biases), Qwen 3 (with per-head q/k RMSNorm instead) and Gemma 3 (the same, plus q/k RMSNorm, norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
 sqrt(hidden), and local layers with a sliding window and a RoPE base of their own).
 
 The model is stateless between calls: all KV lives in the page pool passed to `forward`, one tensor per
@@ -80,12 +80,16 @@ class LlamaModel:
             layer = {
                 "in_norm": w[p + "input_layernorm"],
                 "qkv": torch.cat([w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]], dim=0).contiguous(),
+                "qkv_bias": torch.cat([w[p + "q_proj.bias"], w[p + "k_proj.bias"], w[p + "v_proj.bias"]]).contiguous()
+                if config.qkv_bias else None,
                 "o": w[p + "o_proj"],
                 "gate_up": torch.cat([w[p + "gate_proj"], w[p + "up_proj"]], dim=0).contiguous(),
                 "down": w[p + "down_proj"],
             }
+            if config.uses_qk_norm:
+                layer.update(q_norm=w[p + "q_norm"], k_norm=w[p + "k_norm"])
             if config.gemma:
-                layer.update(q_norm=w[p + "q_norm"], k_norm=w[p + "k_norm"], attn_out_norm=w[p + "post_attention_layernorm"],
+                layer.update(attn_out_norm=w[p + "post_attention_layernorm"],
                              mlp_norm=w[p + "pre_feedforward_layernorm"], mlp_out_norm=w[p + "post_feedforward_layernorm"])
             else:
                 layer["mlp_norm"] = w[p + "post_attention_layernorm"]
@@ -104,8 +108,12 @@ class LlamaModel:
         names = ["embed_tokens", "norm"] + ([] if self.config.tie_embeddings else ["lm_head"])
         per_layer = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
                      "gate_proj", "up_proj", "down_proj")
+        if self.config.uses_qk_norm:
+            per_layer += ("q_norm", "k_norm")
+        if self.config.qkv_bias:
+            per_layer += ("q_proj.bias", "k_proj.bias", "v_proj.bias")
         if self.config.gemma:
-            per_layer += ("q_norm", "k_norm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+            per_layer += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         for i in range(self.config.num_layers):
             names += [f"layers.{i}.{n}" for n in per_layer]
         return names
@@ -125,9 +133,9 @@ class LlamaModel:
             stage, local = self.layer_stage[i]
             window = self.windows[i]
             h = rms_norm(x, L["in_norm"], c.rms_eps)
-            qkv = F.linear(h, L["qkv"])
+            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
             cos, sin = local_tables if window else tables
-            if c.gemma:
+            if c.uses_qk_norm:
                 q = rms_norm(qkv[:, :hq * d].view(-1, hq, d), L["q_norm"], c.rms_eps)
                 k = rms_norm(qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d), L["k_norm"], c.rms_eps)
                 q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)

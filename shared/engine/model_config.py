@@ -1,11 +1,11 @@
-"""The shape of a decoder, whatever file its weights came from: Llama (SmolLM2, the `tiny` preset) and
-Gemma 3, whose differences are fields here rather than classes (shared/engine/model.py reads them)."""
+"""The shape of a decoder, whatever file its weights came from: Llama (SmolLM2, the `tiny` preset), Qwen 2 and 3,
+and Gemma 3, whose differences are fields here rather than classes (shared/engine/model.py reads them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class ModelConfig:
     sliding_window_pattern: int = 0
     rope_local_theta: float = 10000.0
     query_scale: float = 0.0          # attention scale is query_scale ** -0.5 (0: head_dim, as Llama)
+    qkv_bias: bool = False            # q/k/v projections with biases (Qwen 2)
+    qk_norm: bool = False             # RMSNorm of each head's q and k before RoPE (Qwen 3; Gemma 3 always)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -43,6 +45,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def uses_qk_norm(self) -> bool:
+        return self.qk_norm or self.gemma
 
     @property
     def gemma(self) -> bool:

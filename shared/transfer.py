@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import ConfigError
+from shared.device_staging import host_buffer
 
 DEFAULT_SLOT_BYTES = 8 * 1024 * 1024
 MAX_TCP_BATCH = 1024  # hard limit per call to one peer over tcp (see module docstring)
@@ -64,7 +65,7 @@ class TransferConfig:
     tcp_progress_timeout_s: int = 10    # a stuck peer fails a write after this (process-wide)
     direct: bool = True                 # handoffs write KV straight into decode's pages when both block layouts match (no gather, no scatter); false, or a decode that cannot: through landing slots
     copy_threads: int = 0               # threads of a KV copy that overlaps a transfer: a handoff's gather (prefill) or scatter (decode), a restore's unpack (prefill); 0 = torch's
-    register_pages: bool = True         # false: the engine's KV pages are never registered with the transfer engine or the pool client, as a GPU's memory where GPUDirect is not available: handoffs go through staging buffers and landing slots, restores through registered buffers (the path KV takes off a device; on CPU, to test it)
+    register_pages: bool = True         # false: the engine's KV pages are never registered with the transfer engine or the pool client, as a GPU's memory where GPUDirect is not available: no direct handoff, no in-place restore, and every KV copy to or from a staging buffer, landing slot or pool buffer runs through a scratch buffer on the pages' device (shared/device_staging.py: the path KV takes off a device, taken on CPU to test it; pages not on CPU take it whatever this says)
     early_verify: str = "auto"          # prefill, direct handoff: tell decode which writes have landed while the rest are on the wire, so it verifies them meanwhile (PagesLanded): "on", "off", or "auto" = on unless protocol is tcp (there the CPUs copy the bytes, and a verify beside them slows the write more than it saves: bench/handoff.py)
 
     def __post_init__(self) -> None:
@@ -306,20 +307,21 @@ class Slot:
 
 
 class LandingSlots:
-    """Decode-side landing area: one contiguous uint8 CPU buffer cut into equal slots, lent out as credits.
+    """Decode-side landing area: one contiguous uint8 host buffer cut into equal slots, lent out as credits.
 
     Invariant (check_integrity): every slot id is either in `_free` or in `_held`, never both, and the
     owner index `_by_owner` is exactly `_held` inverted. All methods are thread-safe.
     """
 
     def __init__(self, num_slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 transport: KVTransport | None = None):
+                 transport: KVTransport | None = None, device: torch.device | str = "cpu"):
+        """device: where the pages the slots are scattered into live; for a CUDA device the slots are pinned."""
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"bad sizes: num_slots={num_slots}, slot_bytes={slot_bytes}")
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         # Written once now: a slot's first write must not page-fault its way in (~2K faults per 8 MiB slot,
         # paid inside the peer's transfer), and never-written bytes are zeros, not old heap contents.
-        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8).fill_(0)
+        self.buffer = host_buffer(num_slots * slot_bytes, device).fill_(0)
         self._transport = transport
         if transport is not None:
             transport.register(self.buffer)

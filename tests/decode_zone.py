@@ -32,9 +32,10 @@ def service_ctx(role: str, bus=None):
 
 
 @contextlib.asynccontextmanager
-async def running_decode(engine: Engine, num_slots: int = 4, slot_bytes: int = 1 << 20):
+async def running_decode(engine: Engine, num_slots: int = 4, slot_bytes: int = 1 << 20, register_pages: bool = True):
     slots = LandingSlots(num_slots, slot_bytes)
-    svc = DecodeService(service_ctx("decode"), engine, lambda loop: LandingZone(engine, loop, slots, "local"))
+    svc = DecodeService(service_ctx("decode"), engine,
+                        lambda loop: LandingZone(engine, loop, slots, "local", register_pages=register_pages))
     svc.loop.start()
     try:
         yield svc
@@ -48,8 +49,9 @@ async def running_decode(engine: Engine, num_slots: int = 4, slot_bytes: int = 1
 @contextlib.asynccontextmanager
 async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     """A prefill's senders (staged `sender`, `direct` when cfg.direct) and a decode wired as
-    services/decode/main.py wires them, over a real nats-server (`url`) and two real Transfer Engines;
-    yields them (p_bus, d_bus, p_te, d_te, slots, decode, sender, direct) and closes everything."""
+    services/decode/main.py wires them (cfg.register_pages on both sides), over a real nats-server (`url`) and
+    two real Transfer Engines; yields them (p_bus, d_bus, p_te, d_te, slots, decode, sender, direct) and closes
+    everything."""
     from services.prefill.direct import DirectSender
     from services.prefill.handoff import HandoffSender
     from shared.bus import Bus, BusConfig
@@ -61,8 +63,9 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     p_te, d_te = KVTransport(), KVTransport()
     slots = LandingSlots(cfg.slots, cfg.slot_bytes, d_te)
     decode = DecodeService(service_ctx("decode", d_bus), d_engine,
-                           lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint), transport=d_te,
-                           direct=cfg.direct)
+                           lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint,
+                                                    register_pages=cfg.register_pages),
+                           transport=d_te, direct=cfg.direct, register_pages=cfg.register_pages)
     decode.loop.start()
     try:
         s = d_bus.subjects

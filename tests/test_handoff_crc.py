@@ -4,11 +4,13 @@ adoption fail that request cleanly (a retry or a 503), never turn into tokens, a
 From the inside out:
 - pure: the checksum, SlotsFilled's pieces + crcs, verify's reasons, the fault hook's switch;
 - the message codec (old SlotsFilled without crcs still decodes, and decode refuses it);
-- decode's LandingZone with a real tiny engine: a corrupted slot frees the landing's KV and slots;
+- decode's LandingZone with a real tiny engine: a corrupted slot frees the landing's KV and slots (also
+  with its pages treated as foreign, `transfer.register_pages` false);
 - in process, real Transfer Engines over loopback and a real nats-server: prefill's HandoffSender writes
   into decode's landing slots and the test corrupts one in flight with a second Transfer Engine write of
   its own, after prefill's write and before decode's check; then a clean handoff is adopted and its
-  tokens equal the reference;
+  tokens equal the reference; also with `transfer.register_pages` false (KV gathered and scattered through a
+  scratch buffer, as from a GPU's pages: shared/device_staging.py);
 - the whole system (router, gate, prefill, decode processes), decode started with
   MOORAGE_FAULT_CORRUPT_LANDING: non-streamed requests are retried (then 503), a stream that already
   sent its first token ends with an error event, and every token that reached a client is right.
@@ -122,9 +124,11 @@ def engine(tiny):
     return Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
 
 
-@pytest.fixture
-async def decode(engine):
-    async with running_decode(engine) as svc:
+@pytest.fixture(params=[pytest.param(True, id="registered"), pytest.param(False, id="foreign")])
+async def decode(engine, request):
+    """A decode whose scatters go straight into its pages, or (foreign) through a scratch buffer."""
+    async with running_decode(engine, register_pages=request.param) as svc:
+        assert svc.zone.copies.foreign == (not request.param)
         yield svc
 
 
@@ -183,7 +187,9 @@ async def test_slots_filled_without_checksums_is_refused(decode, engine):
 # ---------------------------------------------------------------- real Transfer Engines + nats, in process
 
 
-async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cleanly(tiny, monkeypatch):
+@pytest.mark.parametrize("register_pages", [pytest.param(True, id="registered"), pytest.param(False, id="foreign")])
+async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cleanly(tiny, monkeypatch,
+                                                                                     register_pages):
     from tests.natsbus import nats_url
 
     prompt = tiny.tokenizer.encode("def checksum(data):\n    crc = 0\n    for byte in data:\n" * 3)
@@ -193,11 +199,13 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
     p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
     layout = p_engine.layout
     slot_bytes = 2 * layout.block_size * layout.bytes_per_token  # 2 blocks a slot: several writes a handoff
-    cfg = TransferConfig(slot_bytes=slot_bytes, slots=4, max_slots_per_round=2, timeout_s=20)
+    cfg = TransferConfig(slot_bytes=slot_bytes, slots=4, max_slots_per_round=2, timeout_s=20,
+                         register_pages=register_pages)
     assert len(prompt) > 2 * 2 * layout.block_size  # more than one round
     with nats_url() as url:
         async with handoff_pair(url, p_engine, d_engine, cfg) as h:
             p_bus, p_te, decode, sender, rogue = h.p_bus, h.p_te, h.decode, h.sender, KVTransport()
+            assert sender.copies.foreign == decode.zone.copies.foreign == (not register_pages)
             flip = torch.zeros(1, dtype=torch.uint8)  # the rogue engine's registered source byte
             rogue.register(flip)
             real_write, corrupted, written = p_te.write, [], []

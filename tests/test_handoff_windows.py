@@ -7,6 +7,8 @@ Slot sizes: a whole number of blocks (no cut token), one byte short of a block, 
 bytes, and less than one token (a token spread over three pieces, some pieces inside one token).
 Also: decode refuses a piece that overlaps one already landed, and HandoffDone sent together with the
 last SlotsFilled (as prefill does) is adopted only once every byte has landed.
+With `transfer.register_pages` false on both sides ("foreign") every gather and scatter runs through a scratch
+buffer, as from a GPU's pages (shared/device_staging.py): the same bytes land.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def _slot_sizes(token_bytes: int, block: int) -> dict[str, int]:
             "tokens and bytes": 5 * token_bytes + 123, "under a token": token_bytes // 3 + 5}
 
 
-@pytest.mark.parametrize("case", ["whole blocks", "block minus a byte", "tokens and bytes", "under a token"])
-async def test_slot_sized_windows_land_exactly(tiny, case):
+@pytest.mark.parametrize("case,register_pages", [
+    *(pytest.param(c, True, id=c) for c in ("whole blocks", "block minus a byte", "tokens and bytes", "under a token")),
+    pytest.param("tokens and bytes", False, id="tokens and bytes, foreign")])
+async def test_slot_sized_windows_land_exactly(tiny, case, register_pages):
     from tests.natsbus import nats_url
 
     prompt = tiny.tokenizer.encode("windows cut anywhere: " * 4)
@@ -59,10 +63,12 @@ async def test_slot_sized_windows_land_exactly(tiny, case):
     layout = p_engine.layout
     slot_bytes = _slot_sizes(layout.bytes_per_token, layout.block_size)[case]
     total = len(prompt) * layout.bytes_per_token
-    cfg = TransferConfig(slot_bytes=slot_bytes, slots=6, max_slots_per_round=3, timeout_s=30)
+    cfg = TransferConfig(slot_bytes=slot_bytes, slots=6, max_slots_per_round=3, timeout_s=30,
+                         register_pages=register_pages)
     with nats_url() as url:
         async with handoff_pair(url, p_engine, d_engine, cfg) as h:
             p_bus, decode, slots, sender = h.p_bus, h.decode, h.slots, h.sender
+            assert sender.copies.foreign == decode.zone.copies.foreign == (not register_pages)
             chunks, finished = await collect_chunks(p_bus, "r1")
             seq = p_engine.add_request("r1", prompt, params, prefill_only=True, retain_kv=True)
             while not p_engine.step():

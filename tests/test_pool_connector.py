@@ -6,6 +6,9 @@ Mooncake pool is exercised end to end in test_pool_e2e; here the interleavings a
   would need the same blocks) instead of recomputing history the pool holds; with `restore_wait_s=0` it
   restores what fits.
 - Whatever it restores, the output stays exactly the from-scratch output, and every block comes back.
+- Restores run three ways: read into the blocks (in place), read whole and unpacked, and with
+  `transfer.register_pages` false ("foreign": saved and restored through a scratch buffer, as a GPU's pages
+  are, shared/device_staging.py).
 """
 
 from __future__ import annotations
@@ -82,13 +85,14 @@ def prompt_ids(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def _prefilled_pool(tiny, pool: MemoryPool, prompt: list[int]) -> None:
+async def _prefilled_pool(tiny, pool: MemoryPool, prompt: list[int], register_pages: bool = True) -> None:
     """Another prefill computed `prompt` and saved its full chunks."""
     engine = Engine(tiny, EngineConfig(num_blocks=64, chunk_tokens=CHUNK))
     loop = EngineLoop(engine, lambda outs: asyncio.sleep(0))
     loop.start()
     try:
-        conn = PoolConnector(pool, engine, loop, PoolSettings(enabled=True))
+        conn = PoolConnector(pool, engine, loop, PoolSettings(enabled=True), register_pages=register_pages)
+        assert conn.saver.copies.foreign == (not register_pages)
         seq = await loop.call(lambda: engine.add_request("w", prompt, SamplingParams(max_tokens=1), retain_kv=True))
         while not seq.is_finished:
             await asyncio.sleep(0.01)
@@ -100,18 +104,20 @@ async def _prefilled_pool(tiny, pool: MemoryPool, prompt: list[int]) -> None:
     assert conn.counters["saved_chunks"] == PROMPT // CHUNK
 
 
-@pytest.fixture(params=[True, False], ids=["in_place", "unpacked"])
+@pytest.fixture(params=["in_place", "unpacked", "foreign"])
 async def restoring(tiny, request):
     """(engine, connector factory): a prefill with 24 blocks (6 chunks) of device KV, an empty device
-    cache, and a pool that holds the 5 full chunks of the prompt. Every restore test runs both ways:
-    read into the blocks and verified there (restore_in_place), and read whole, then unpacked."""
+    cache, and a pool that holds the 5 full chunks of the prompt. Every restore test runs three ways:
+    read into the blocks and verified there (restore_in_place), read whole, then unpacked, and (foreign:
+    register_pages false on the saving and the restoring prefill) unpacked through a scratch buffer."""
+    foreign = request.param == "foreign"
     pool = MemoryPool()
-    await _prefilled_pool(tiny, pool, prompt_ids(7, PROMPT))
+    await _prefilled_pool(tiny, pool, prompt_ids(7, PROMPT), register_pages=not foreign)
     engine = Engine(tiny, EngineConfig(num_blocks=24, chunk_tokens=CHUNK))
     loop = EngineLoop(engine, lambda outs: asyncio.sleep(0))
     loop.start()
     yield engine, loop, lambda **kw: PoolConnector(pool, engine, loop, PoolSettings(
-        enabled=True, **{"restore_in_place": request.param, **kw}))
+        enabled=True, **{"restore_in_place": request.param == "in_place", **kw}), register_pages=not foreign)
     await loop.stop()
     engine.block_manager.check_integrity()
 
@@ -211,8 +217,8 @@ async def saving(tiny):
         await asyncio.sleep(0.01)
     made = []
 
-    def connector(pool, **kw):
-        made.append(PoolConnector(pool, engine, loop, PoolSettings(enabled=True, **kw)))
+    def connector(pool, register_pages: bool = True, **kw):
+        made.append(PoolConnector(pool, engine, loop, PoolSettings(enabled=True, **kw), register_pages=register_pages))
         return made[-1]
 
     def hold(conn):
@@ -233,19 +239,21 @@ async def _busy(engine, loop):
                                                       SamplingParams(max_tokens=1500, ignore_eos=True)))
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "unpacked"])
-async def test_a_two_stage_restore_matches_scratch(saving, tiny, in_place):
-    """Saved by a 2-stage prefill, restored by another: each stage's object lands in its own stage page."""
+@pytest.mark.parametrize("how", ["in_place", "unpacked", "foreign"])
+async def test_a_two_stage_restore_matches_scratch(saving, tiny, how):
+    """Saved by a 2-stage prefill, restored by another: each stage's object lands in its own stage page
+    (foreign: both prefills copy through a scratch buffer, register_pages false)."""
     engine, loop, connector, prompt, hold = saving
     pool = MemoryPool()
-    conn = connector(pool)
+    conn = connector(pool, register_pages=how != "foreign")
     await conn.save("w", prompt, await loop.call(lambda: hold(conn)), None)
     other = Engine(tiny, EngineConfig(num_blocks=24, chunk_tokens=CHUNK, stages=2))
     other_loop = EngineLoop(other, lambda outs: asyncio.sleep(0))
     other_loop.start()
     try:
-        restorer = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, restore_in_place=in_place))
-        assert restorer.in_place == in_place
+        settings = PoolSettings(enabled=True, restore_in_place=how == "in_place")
+        restorer = PoolConnector(pool, other, other_loop, settings, register_pages=how != "foreign")
+        assert restorer.in_place == (how == "in_place") and restorer.copies.foreign == (how == "foreign")
         full = prompt + prompt_ids(8, 20)
         restored = await restorer.restore("r", full, None)
         assert restored.token_range == (0, 5 * CHUNK) and restorer.counters["verify_failures"] == 0

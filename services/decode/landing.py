@@ -11,6 +11,9 @@ until the neighbouring piece brings the rest, and that token is scattered then. 
 arrive while the last pieces are still being scattered (prefill sends both at once):
 `take_when_landed` waits until every byte has landed, or the landing was dropped.
 
+Scattering goes through shared/device_staging.py: straight from the slot into pages in host memory, or through
+a scratch buffer on the pages' device when they are foreign (a GPU's, or `transfer.register_pages` false).
+
 Cancel races every other message of the request (NATS runs each subscription's handler as its own
 task), so two invariants hold across the awaits below:
 - a cancelled id is remembered (`cancelled`), and a grant or adoption that was already under way when
@@ -45,9 +48,9 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.trace import Status, StatusCode
 
-from kernels import get_kv_kernels
 from kernels.cpu_kv import prefault
 from kernels.cpu_kv import threads as copy_threads
+from shared.device_staging import KVStaging
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
@@ -91,14 +94,14 @@ GRANT_HOLD_S = 1.0  # a grant short of room waits this long for some (well below
 
 class LandingZone:
     def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str,
-                 faults: LandingFaults | None = None, copy_threads: int = 0):
+                 faults: LandingFaults | None = None, copy_threads: int = 0, register_pages: bool = True):
         self.engine, self.loop, self.slots, self.endpoint = engine, loop, slots, endpoint
         self.copy_threads = copy_threads  # a scatter's threads (transfer.copy_threads; 0 = torch's)
         self.faults = faults or LandingFaults()
         self.checks = HandoffChecks()
         self.layout = engine.layout
         self.token_bytes = self.layout.bytes_per_token
-        self.kernels = get_kv_kernels(engine.pages[0].device)
+        self.copies = KVStaging(engine.pages, register_pages)  # slots -> pages, onto a device too
         self.landings: dict[str, Landing] = {}
         self.cancelled: OrderedDict[str, None] = OrderedDict()
         self._background: set[asyncio.Task] = set()  # prefaults in flight (kept referenced until done)
@@ -261,8 +264,8 @@ class LandingZone:
             if rows.data_ptr() % self.layout.elem_bytes:  # a slot size that is no multiple of the element size
                 rows = rows.clone()
             with copy_threads(self.copy_threads or torch.get_num_threads()):
-                self.kernels.scatter_from_rank(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks,
-                                               end - first, first)
+                self.copies.scatter(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks, end - first,
+                                    first)
         return reason
 
     def _seam(self, landing: Landing, piece: Piece) -> None:
@@ -279,8 +282,7 @@ class LandingZone:
             seam[1][lo - tok * tb:hi - tok * tb] = landed[lo - piece.offset:hi - piece.offset]
             seam[0] += hi - lo
             if seam[0] == tb:
-                self.kernels.scatter_from_rank(seam[1].view(self.layout.dtype), self.engine.pages[0], landing.blocks,
-                                               1, tok)
+                self.copies.scatter(seam[1].view(self.layout.dtype), self.engine.pages[0], landing.blocks, 1, tok)
                 del landing.seams[tok]
 
     async def _refuse(self, rid: str, reason: str) -> Ack:

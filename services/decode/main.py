@@ -226,12 +226,13 @@ async def serve(ctx: ServiceContext) -> None:
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
     engine = Engine(loaded, cfg.engine)
     transport = cfg.transfer.make_transport()
-    slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport)
+    slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport, engine.pages[0].device)
     faults = LandingFaults.from_env()  # off unless a test sets MOORAGE_FAULT_CORRUPT_LANDING
     if faults.corrupt_pieces:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
-                                                                   cfg.transfer.copy_threads),
+                                                                   cfg.transfer.copy_threads,
+                                                                   cfg.transfer.register_pages),
                         cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
     svc.loop.start()
     s = ctx.bus.subjects

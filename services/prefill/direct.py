@@ -47,6 +47,7 @@ from opentelemetry import context as otel_context
 from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread, send_done
 from shared.bus import Bus
 from shared.block_crcs import BlockCRCs
+from shared.device_staging import registrable
 from shared.kv_layout import KVLayout
 from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
@@ -111,7 +112,7 @@ class DirectSender:
         while it stays the same."""
         self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
         self.transport, self.config = transport, config
-        self.enabled = config.direct and config.register_pages and all(p.device.type == "cpu" for p in pages)
+        self.enabled = config.direct and registrable(pages, config.register_pages)
         if self.enabled:
             for p in pages:
                 transport.register(p)

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import context as otel_context
 
-from kernels import get_kv_kernels
 from kernels.cpu_kv import threads as copy_threads
 from services.prefill.staging import StagingPool
 from shared.bus import Bus
+from shared.device_staging import KVStaging
 from shared.handoff_check import Piece, checksum, to_wire
 from shared.kv_layout import KVLayout
 from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
@@ -135,9 +135,10 @@ class HandoffSender:
                  transport: KVTransport, config: TransferConfig):
         self.bus, self.instance, self.layout, self.pages = bus, instance, layout, pages
         self.transport, self.config = transport, config
-        self.kernels = get_kv_kernels(pages[0].device)
+        self.copies = KVStaging(pages, config.register_pages)  # pages -> staging buffers, from a device too
         self.token_bytes = layout.bytes_per_token  # one token, every layer, K and V (one decode rank)
-        self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes + 2 * self.token_bytes)
+        self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes + 2 * self.token_bytes,
+                                   pages[0].device)
 
     def _gather(self, table: list[int], num_tokens: int, offset: int, nbytes: int, buf: torch.Tensor
                 ) -> tuple[torch.Tensor, int, float]:
@@ -147,8 +148,7 @@ class HandoffSender:
         t0, t1 = offset // tb, -(-(offset + nbytes) // tb)
         region = buf[:(t1 - t0) * tb]
         with copy_threads(self.config.copy_threads or torch.get_num_threads()):
-            self.kernels.gather_for_ranks(self.pages, table, t1, 1, self.layout, [region.view(self.layout.dtype)],
-                                          first=t0)
+            self.copies.gather(self.pages, table, t1, self.layout, region.view(self.layout.dtype), first=t0)
         raw = region[offset - t0 * tb:offset - t0 * tb + nbytes]
         t = time.perf_counter()
         crc = checksum(raw)

@@ -9,8 +9,10 @@ chunk that fails ends the restore there: later tokens are computed.
   and each object is read in pieces (`get_into_pieces`): its header into a small registered buffer, its
   payload (the chunk's blocks, block-major, as pack_chunk wrote them) straight into the chunk's fresh
   blocks. Verifying is then the CRC-32C of those blocks' bytes, in place: no unpack, no copy.
-- Else (pages elsewhere): the objects are read whole into a registered buffer, then unpacked into the
-  blocks by kernels' unpack_chunk_crc, which computes the checksum as it copies (one pass).
+- Else (pages elsewhere, or `transfer.register_pages` false): the objects are read whole into a registered
+  buffer, then unpacked into the blocks (shared/device_staging.py): for host pages by kernels' unpack_chunk_crc,
+  which computes the checksum as it copies (one pass); for foreign pages through a scratch buffer on their
+  device, the checksum computed over the read buffer while the bytes go to the device.
 Who reads: prefill's own Transfer Engine (`restore_direct_reads`, shared/pool_reads.py: the store client's
 reads busy-poll a core), or the store client.
 Reads are pipelined: one worker thread reads the batches back to back, each into the second of two
@@ -36,7 +38,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import get_kv_kernels
 from kernels.cpu_kv import threads as copy_threads
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
@@ -44,6 +45,7 @@ from shared.engine.loop import EngineLoop
 from shared.hashing import chunk_hashes
 from services.prefill.pool_save import PoolSaver, finish_in_thread
 from shared.block_crcs import blocks_crc
+from shared.device_staging import KVStaging, host_buffer, registrable
 from shared.kv_object import HEADER_BYTES, ObjectSpec, object_key, verify, verify_header
 from shared.kv_tenant import KVNamespace
 from shared.page_writes import to_runs
@@ -86,7 +88,8 @@ class PoolConnector:
                  transport: KVTransport | None = None, register_pages: bool = True):
         """transport: prefill's Transfer Engine; with settings.restore_direct_reads restores read through it
         (shared/pool_reads.py), else through the store client. register_pages false (transfer.register_pages):
-        the engine's pages are never registered, so restores land in the read buffers and are unpacked."""
+        the engine's pages are never registered, so restores land in the read buffers and are unpacked, and
+        saves and restores copy KV through a scratch buffer as from a device's pages."""
         self.client, self.engine, self.loop, self.settings = client, engine, loop, settings
         self.copy_threads = copy_threads or torch.get_num_threads()  # an unpack's (it overlaps the next read)
         self.bm, self.layout = engine.block_manager, engine.layout
@@ -97,11 +100,12 @@ class PoolConnector:
         self.chunk = self.layout.chunk_tokens
         self.blocks_per_chunk = self.chunk // self.layout.block_size
         self.min_restore = max(self.chunk, settings.min_restore_tokens)  # at least one chunk
-        self.kernels = get_kv_kernels(engine.pages[0].device)
+        self.register_pages = register_pages
+        self.copies = KVStaging(engine.pages, register_pages)  # restore buffers -> pages (the saver has its own)
         # two read buffers: batch i+1 is read into one while batch i is verified (and unpacked) from the other
-        self.in_place = settings.restore_in_place and register_pages and all(p.device.type == "cpu" for p in engine.pages)
+        self.in_place = settings.restore_in_place and registrable(engine.pages, register_pages)
         per_batch = settings.restore_batch_chunks * (self.stages * HEADER_BYTES if self.in_place else self.chunk_bytes)
-        self.restore_bufs = [torch.empty(per_batch, dtype=torch.uint8) for _ in range(2)]
+        self.restore_bufs = [host_buffer(per_batch, engine.pages[0].device) for _ in range(2)]
         for buf in self.restore_bufs:
             client.register(buf)
         if self.in_place:  # reads land in the blocks themselves
@@ -368,8 +372,8 @@ class PoolConnector:
         lo = i // self.stages * self.chunk_bytes + sum(self.obj_bytes[:s])
         obj = self.restore_bufs[buf][lo:lo + self.obj_bytes[s]]
         with copy_threads(self.copy_threads):
-            crc = self.kernels.unpack_chunk_crc(obj[HEADER_BYTES:].view(self.layout.dtype), self.engine.pages[s],
-                                                chunk_blocks)
+            crc = self.copies.unpack_crc(obj[HEADER_BYTES:].view(self.layout.dtype), self.engine.pages[s],
+                                         chunk_blocks)
         return verify(obj, spec, payload_crc=crc)
 
     # ---- save (services/prefill/pool_save.py) -------------------------------------------------------

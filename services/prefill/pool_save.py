@@ -27,8 +27,7 @@ import asyncio
 import contextlib
 import time
 
-import torch
-
+from shared.device_staging import KVStaging, host_buffer
 from shared.engine.loop import EngineLoopDead
 from shared.hashing import chunk_hashes
 from shared.kv_object import HEADER_BYTES, write_header
@@ -58,8 +57,9 @@ class PoolSaver:
         self.conn, self.settings, self.on_store_event = conn, conn.settings, on_store_event
         self.engine, self.loop, self.bm = conn.engine, conn.loop, conn.bm
         self.batch = self.settings.save_batch_chunks
-        self.buf = torch.empty(self.batch * conn.chunk_bytes, dtype=torch.uint8)
+        self.buf = host_buffer(self.batch * conn.chunk_bytes, self.engine.pages[0].device)
         conn.client.register(self.buf)
+        self.copies = KVStaging(self.engine.pages, conn.register_pages)  # pages -> buf, beside a restore's copies
         self.lock = asyncio.Lock()  # FIFO: one save at a time, in the order they were queued
         self.held_blocks = 0        # blocks pinned by saves that have not ended
         self.block_waiters = 0      # restores waiting for free blocks (a deferred save then goes)
@@ -157,7 +157,7 @@ class PoolSaver:
                 for s in range(S):
                     obj = views[c * S + s]
                     payload = obj[HEADER_BYTES:].view(conn.layout.dtype)
-                    crc = conn.kernels.pack_chunk_crc(self.engine.pages[s], blocks, payload)  # one pass
+                    crc = self.copies.pack_crc(self.engine.pages[s], blocks, payload)  # CRC of the bytes put
                     write_header(obj, conn.spec(d, s, ns), crc)
 
         await finish_in_thread(pack)

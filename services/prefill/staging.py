@@ -6,6 +6,7 @@ import asyncio
 
 import torch
 
+from shared.device_staging import host_buffer
 from shared.transfer import KVTransport
 
 
@@ -19,9 +20,10 @@ class StagingPool:
     each other until their timeout.
     """
 
-    def __init__(self, transport: KVTransport, count: int, nbytes: int):
-        # Written once now, so no gather or write ever page-faults its way into a fresh buffer.
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8).fill_(0) for _ in range(count)]
+    def __init__(self, transport: KVTransport, count: int, nbytes: int, device: torch.device):
+        # Pinned when the pages are a GPU's (`device`); written once now, so no gather or write ever
+        # page-faults its way into a fresh buffer.
+        self.buffers = [host_buffer(nbytes, device).fill_(0) for _ in range(count)]
         for b in self.buffers:
             transport.register(b)
         self._free = list(range(count))

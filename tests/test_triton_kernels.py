@@ -12,7 +12,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # tests/conftest.py sets it first (for collection's sake)
 
 triton = pytest.importorskip("triton")  # a dev dependency: installed by infra/dev-env.sh, so this runs in make test
 
@@ -21,7 +21,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels import triton_attention, triton_kv  # noqa: E402
 from shared.kv_layout import KVLayout  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 def _pages(n, layers, hkv, d, dtype, seed=0):

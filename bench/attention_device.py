@@ -13,6 +13,7 @@ H200 (about a minute with --sweep: each configuration compiles once per head sha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -84,8 +85,7 @@ def run(batch: int = 32, ctx: int = 8192, dtype=torch.bfloat16, sweep: bool = Fa
         del pages, dst, flat
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "config": vars(triton_attention.CONFIG) if hasattr(triton_attention.CONFIG, "__dict__") else
-            str(triton_attention.CONFIG), "cases": results, "sweep": configs}
+            "config": dataclasses.asdict(triton_attention.CONFIG), "cases": results, "sweep": configs}
 
 
 def main(argv: list[str] | None = None) -> int:

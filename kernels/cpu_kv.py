@@ -26,9 +26,6 @@ The C source is kernels/csrc/kv_copy.c. Its library also holds the CRC-32C routi
 kernels/cpu_attention.py: same compiler search, flags, cache dir and CPU key), so no compiler means
 `available()` is False and kernels.get_kv_kernels falls back to the reference. The GIL is released
 during the copy (ctypes), so a gather in a worker thread leaves the event loop free.
-
-`prefault` (first touch of fresh pages: kernels/cpu_prefault.py) is re-exported here for
-services/decode/landing.py and shared/engine/page_warmer.py, which import it from this module.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ import torch
 
 from kernels import reference as _ref
 from kernels.cbuild import BASE_FLAGS, CSRC, FLAG_SETS, CKernel
-from kernels.cpu_prefault import prefault  # noqa: F401 (re-exported, see above)
 from kernels.reference import IndexLike, rank_num_tokens
 
 if TYPE_CHECKING:  # not at run time: kernels/ sits below shared/ (tests/test_layering.py)

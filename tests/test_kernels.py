@@ -257,7 +257,6 @@ def test_prefault_changes_no_byte():
     assert torch.equal(pages, before)
     assert cpu_prefault.prefault(pages[:, :1], [1]) is False  # not contiguous: nothing done
     assert cpu_prefault.prefault(pages, []) is False
-    assert cpu_kv.prefault is cpu_prefault.prefault  # services/decode/landing.py and the page warmer import it there
 
 
 def test_prefault_populates_in_bounded_pieces(monkeypatch):

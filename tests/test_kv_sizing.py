@@ -10,8 +10,8 @@ from shared.config import ConfigError, load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv_sizing import AUTO_SHARE, MemorySpec, parse_memory, size_kv
 from shared.engine.models import load_model
-from infra.up import (ENGINE_DEVICE_BYTES, ENGINE_PROCESS_BYTES, UpConfig, device_free_bytes, engine_device, plan,
-                      split_kv)
+from infra.kv_split import ENGINE_DEVICE_BYTES, ENGINE_PROCESS_BYTES, device_free_bytes, engine_device, split_kv
+from infra.up import UpConfig, plan
 
 GiB = 1 << 30
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.trace import Status, StatusCode
 
-from kernels.cpu_kv import prefault
+from kernels.cpu_prefault import prefault
 from kernels.cpu_kv import threads as copy_threads
 from shared.device_staging import KVStaging
 from shared.engine.block_manager import OutOfBlocks
@@ -179,7 +179,7 @@ class LandingZone:
         task.add_done_callback(self._background.discard)
 
     async def _prefault(self, blocks: list[int]) -> None:
-        """Fault a landing's blocks in while its bytes are on the wire (kernels.cpu_kv.prefault: changes no
+        """Fault a landing's blocks in while its bytes are on the wire (kernels.cpu_prefault.prefault: changes no
         byte, so it may race anything; ~free once they are resident). KV pages come from calloc, so a block
         never written since start-up costs ~1 page fault per 4 KiB on first write: a scatter of 8 MB into
         fresh blocks took 30-150 ms, into resident ones 3 ms (2-core box). Only the landing's blocks: the

@@ -1,5 +1,6 @@
 """A decoder in plain torch: Llama (RMSNorm, RoPE rotate-half, GQA, SwiGLU, tied embeddings), Qwen 2 (the
-same with q/k/v biases), Qwen 3 (with per-head q/k RMSNorm instead) and Gemma 3 (the same, plus q/k RMSNorm, norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
+same with q/k/v biases), Qwen 3 (with per-head q/k RMSNorm instead) and Gemma 3 (the same, plus q/k RMSNorm,
+norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
 sqrt(hidden), and local layers with a sliding window and a RoPE base of their own).
 
 The model is stateless between calls: all KV lives in the page pool passed to `forward`, one tensor per

@@ -9,7 +9,7 @@ blocks for every request until the pool has been used once (the prefix cache kee
 The block manager hands out never-used blocks in increasing id order (its plain free list starts as
 0..n-1, released blocks join it behind them). So "what comes next" is a frontier: after blocks up to id
 `top` were allocated, blocks [top + 1, top + 1 + ahead) come next. A daemon thread at nice 19 keeps
-that window resident (`kernels.cpu_kv.prefault`: MADV_POPULATE_WRITE, no byte changes, so it may race
+that window resident (`kernels.cpu_prefault.prefault`: MADV_POPULATE_WRITE, no byte changes, so it may race
 anything), in steps of `step_bytes`, and sleeps on a condition until the frontier moves. Memory is
 committed only `ahead` blocks beyond what has been used, never the whole pool up front.
 """
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels.cpu_kv import prefault
+from kernels.cpu_prefault import prefault
 from shared.logging import get_logger
 
 log = get_logger("engine.page_warmer")

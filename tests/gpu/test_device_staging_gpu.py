@@ -5,11 +5,10 @@ or no longer read, the moment it returns (nothing synchronizes in between here).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+from bench.attention_device import cuda_seconds
 from kernels import reference as ref
 from shared.device_staging import KVStaging, host_buffer
 from shared.handoff_check import checksum
@@ -64,17 +63,9 @@ def test_staged_copies_follow_the_engine_stream_and_finish_before_returning(repo
     payload.zero_()
     assert torch.equal(back[table[16:32]], pages[1][ids])
 
-    reps, t = 20, time.perf_counter()
-    for _ in range(reps):
-        staging.gather(pages, table, n, layout, out.view(layout.dtype))
-    staged = (time.perf_counter() - t) / reps
+    staged = cuda_seconds(lambda: staging.gather(pages, table, n, layout, out.view(layout.dtype)), reps=20, runs=1)
     src = torch.empty(out.numel(), dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        out.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-    bare = (time.perf_counter() - t) / reps
+    bare = cuda_seconds(lambda: out.copy_(src, non_blocking=True), reps=20, runs=1)
     gb = out.numel() / 1e9
     report(bytes_mb=round(gb * 1e3), staged_gather_gbs=round(gb / staged, 1), bare_d2h_gbs=round(gb / bare, 1),
            scratch_mb=staging._scratch.numel() >> 20, kernels=staging.kernels.name)

@@ -26,7 +26,6 @@ LENGTHS = (7, 100, 700)  # 700 + 32 runs past Gemma 3's 512-token window
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
 def checkpoint(request, tmp_path_factory):
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = oracle.build_hf_model(request.param, device="cuda")
     path = oracle.save_hf_model(model, tmp_path_factory.mktemp(request.param))
     model.to("cuda")

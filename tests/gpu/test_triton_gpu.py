@@ -1,12 +1,11 @@
-"""The Triton kernels compiled for the GPU against the torch reference on the same device, at serving sizes,
-and KV staged between device pages and pinned host buffers (the path KV takes off a GPU without GPUDirect)."""
+"""The Triton kernels compiled for the GPU against the torch reference on the same device, at serving sizes (KV
+staged to pinned host buffers through them: tests/gpu/test_device_staging_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.attention_device import cuda_seconds
 from kernels import attention_reference as ref_attn
 from kernels import reference as ref
 from kernels import triton_attention, triton_kv
@@ -50,31 +49,3 @@ def test_kv_copies_on_device_are_the_reference_s_bytes(report):
     triton_kv.scatter_from_rank(want[0], other, table, want[0].shape[0])
     assert torch.equal(single, other)
     report(checked="pack, gather cp1/cp2, scatter at 8K tokens bf16")
-
-
-def test_staged_copies_through_pinned_host_buffers(report):
-    """Device pages -> pinned host buffer (pack, gather) and back (unpack, scatter): the same bytes as the
-    reference, CRCs over the host bytes, and the staged gather's rate against a bare D2H copy."""
-    layout = KVLayout(30, 3, 64, dtype=torch.bfloat16)
-    pages = torch.randn(layout.page_shape(0, 4096), device="cuda").to(torch.bfloat16)
-    ids = list(range(100, 116))
-    host = torch.empty(16 * pages[0].numel(), dtype=torch.bfloat16).pin_memory()
-    crc = triton_kv.pack_chunk_crc(pages, ids, host)
-    assert crc == ref._crc(ref.pack_chunk(pages, ids)) and torch.equal(host.cuda(), ref.pack_chunk(pages, ids).reshape(-1))
-    back = torch.zeros_like(pages)
-    assert triton_kv.unpack_chunk_crc(host, back, ids) == crc and torch.equal(back[100:116], pages[100:116])
-    table = torch.randperm(4096, device="cuda")[:512]
-    n = 8192
-    out = torch.empty(n * layout.bytes_per_token // 2, dtype=torch.bfloat16).pin_memory()
-    triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out])
-    assert torch.equal(out.cuda(), ref.gather_for_ranks([pages], table, n, 1, layout)[0].reshape(-1))
-    landed = torch.zeros_like(pages)
-    triton_kv.scatter_from_rank(out, landed, table, n)
-    assert torch.equal(landed[table], pages[table])
-
-    src = torch.empty_like(out, device="cuda")
-    bare = cuda_seconds(lambda: out.copy_(src, non_blocking=True))
-    staged = cuda_seconds(lambda: triton_kv.gather_for_ranks([pages], table, n, 1, layout, [out]))
-    gb = out.numel() * 2 / 1e9
-    report(bytes_mb=round(gb * 1e3), staged_gather_gbs=round(gb / staged, 1), bare_d2h_gbs=round(gb / bare, 1),
-           staged_over_bare=round(bare / staged, 2))

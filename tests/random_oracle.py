@@ -34,24 +34,53 @@ SHAPES = {
     "qwen3-small": dict(arch="qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # RoPE scaling: small original contexts so that the scaled frequencies matter inside a short prompt
+    "llama31-small": dict(arch="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 256}),
+    "llama-linear-small": dict(arch="llama", vocab_size=2048, hidden_size=128, intermediate_size=384,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                               rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "qwen2-yarn-small": dict(arch="qwen2", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                             rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 1024}),
+    # Mistral: every layer windowed (v0.1's 4096, cut to 24) and a head_dim of its own (Nemo's shape)
+    "mistral-small": dict(arch="mistral", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=48, sliding_window=24,
+                          max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                          tie_word_embeddings=False),
     # 7 layers: six local (window 24) and one global, as the real model's period
     "gemma3-small": dict(arch="gemma3", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=7,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=24,
                          query_pre_attn_scalar=64, max_position_embeddings=4096, rms_norm_eps=1e-6),
+    # Gemma 3 4B and up: linear scaling (factor 8) on the global layers only
+    "gemma3-linear-small": dict(arch="gemma3", vocab_size=2048, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                                sliding_window=24, query_pre_attn_scalar=64, max_position_embeddings=4096,
+                                rms_norm_eps=1e-6,
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                    "rope_theta": 1000000.0}}),
 }
 
 
 def hf_config(shape: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     fields = dict(SHAPES[shape])
     arch = fields.pop("arch")
     fields.update(initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "gemma3":
-        fields["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        fields["rope_parameters"] = fields.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
         return Gemma3TextConfig(**fields)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**fields)
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**fields)
 
 
 def build_hf_model(shape: str, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):

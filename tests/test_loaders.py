@@ -22,7 +22,8 @@ from shared.engine import gguf_loader
 from shared.engine.attention import AttentionBatch, PrefillSegment
 from shared.engine.gguf_loader import load_gguf, permute_rope_rows, unpermute_rope_rows
 from shared.engine.hf_loader import load_hf_dir, save_hf_dir
-from shared.engine.model import LlamaModel, RotaryEmbedding
+from shared.engine.model import LlamaModel
+from shared.engine.rope import RotaryEmbedding
 from shared.engine.model_config import ModelConfig
 from shared.engine.models import BUNDLED_MODELS, load_model
 from shared.engine.tokenizer import BPETokenizer, ByteTokenizer
@@ -464,15 +465,18 @@ def test_load_model_tiny_is_seeded():
 
 
 @pytest.mark.parametrize("extra,named", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling type 'llama3'"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+    ({"rope_scaling": {"type": "su", "factor": 4.0}}, "rope_scaling type 'su'"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling type 'linear' without a factor"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"attention_bias": True}, "q/k/v/o biases"),
     ({"sliding_window": 4096}, "a sliding window"),
     ({"head_dim": 128}, "head_dim"),
 ])
 def test_hf_features_the_engine_does_not_implement_are_refused_by_name(tmp_path, weights, extra, named):
-    """Llama 3.1's llama3 RoPE scaling loaded without a word and diverged from transformers at the first
-    token (issue 28): what the engine does not implement is an error that names it, never a silent drop."""
+    """Llama 3.1's llama3 RoPE scaling once loaded without a word and diverged from transformers at the first
+    token (issue 28): what the engine does not implement is an error that names it, never a silent drop
+    (llama3, linear and yarn are implemented now: tests/test_random_oracle.py)."""
     import json
 
     save_hf_dir(tmp_path / "hf", CONFIG, weights)

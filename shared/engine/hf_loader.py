@@ -1,5 +1,5 @@
 """Read a Hugging Face style model directory (config.json + *.safetensors) into our weight names: Llama
-(SmolLM2 and the like), Qwen 2 / 2.5 / 3 and Gemma 3 text models; what the engine does not implement is refused by name."""
+(SmolLM2 and the like; Llama 3.x's RoPE scaling), Mistral, Qwen 2 / 2.5 / 3 and Gemma 3 text models; what the engine does not implement is refused by name."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.engine.model_config import ModelConfig
+from shared.engine.rope import RopeScaling, scaling_from_hf
 
 _PREFIX = "model."
 
@@ -18,21 +19,25 @@ _GEMMA3_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward
                  "post_feedforward_layernorm", "q_norm", "k_norm")
 
 
-def _rope_thetas(cfg: dict) -> tuple[float, float, list[str]]:
-    """(global base, local base, refusals): transformers 5 nests RoPE under rope_parameters (per layer type
-    for Gemma 3), 4.x spells rope_theta / rope_local_base_freq / rope_scaling."""
+def _rope(cfg: dict) -> tuple[float, float, RopeScaling, list[str]]:
+    """(global base, local base, the global layers' scaling, refusals): transformers 5 nests RoPE under
+    rope_parameters (per layer type for Gemma 3), 4.x spells rope_theta / rope_local_base_freq / rope_scaling."""
     params = cfg.get("rope_parameters") or {}
-    if params and "rope_type" not in params:  # per layer type
+    if params and "rope_type" not in params and "type" not in params:  # per layer type
         full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
     else:
         full = params or {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
         local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
-    refused = []
-    for kind, p in (("global", full), ("local", local)):
-        rtype = p.get("rope_type", p.get("type", "default"))
-        if rtype != "default":
-            refused.append(f"{kind} rope_scaling type {rtype!r} (rope_scaling)")
-    return float(full.get("rope_theta", 10000.0)), float(local.get("rope_theta", 10000.0)), refused
+    refused, scaling = [], RopeScaling()
+    try:
+        if cfg.get("original_max_position_embeddings"):  # Phi-3 style, outside the RoPE dict: it wins
+            full = {**full, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+        scaling = scaling_from_hf(full, int(cfg.get("max_position_embeddings", 2048)))
+    except ValueError as e:
+        refused.append(f"{e} (rope_scaling)")
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        refused.append(f"local rope_scaling type {local.get('rope_type', local.get('type'))!r} (rope_scaling)")
+    return float(full.get("rope_theta", 10000.0)), float(local.get("rope_theta", 10000.0)), scaling, refused
 
 
 def _gemma3_fields(cfg: dict, head_dim: int) -> tuple[dict, list[str]]:
@@ -64,9 +69,10 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     gemma = model_type == "gemma3_text"
     qwen = model_type in ("qwen2", "qwen3")
-    if not (gemma or qwen) and model_type != "llama" and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"unsupported model_type {model_type!r} (llama, qwen2, qwen3 or gemma3_text)")
-    rope_theta, local_theta, refused = _rope_thetas(cfg)
+    mistral = model_type == "mistral"
+    if not (gemma or qwen or mistral) and model_type != "llama" and "LlamaForCausalLM" not in archs:
+        raise ValueError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2, qwen3 or gemma3_text)")
+    rope_theta, local_theta, scaling, refused = _rope(cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     unsupported = {"attention_bias": "q/k/v/o biases" if cfg.get("attention_bias") else None,
                    "mlp_bias": "MLP biases" if cfg.get("mlp_bias") else None}
@@ -79,13 +85,15 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
                      qk_norm=model_type == "qwen3")
         unsupported["attention_bias"] = "q/k/v/o biases" if model_type == "qwen3" and cfg.get("attention_bias") else None
         unsupported["use_sliding_window"] = "a sliding window" if cfg.get("use_sliding_window") else None
-        if cfg.get("hidden_act", "silu") != "silu":
-            refused.append(f"activation {cfg.get('hidden_act')!r} (hidden_act)")
+    elif mistral:  # Llama's block; every layer windowed when sliding_window is set (v0.1), none when null
+        extra = dict(arch="mistral", explicit_head_dim=head_dim, sliding_window=int(cfg.get("sliding_window") or 0))
     else:
         extra = {}
         unsupported["sliding_window"] = "a sliding window" if cfg.get("sliding_window") else None
         unsupported["head_dim"] = ("a head_dim other than hidden_size / num_attention_heads"
                                    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"] else None)
+    if not gemma and cfg.get("hidden_act", "silu") != "silu":
+        refused.append(f"activation {cfg.get('hidden_act')!r} (hidden_act)")
     refused += [f"{why} ({key})" for key, why in unsupported.items() if why]
     if refused:  # served silently wrong otherwise (Llama 3.1's llama3 RoPE scaling diverged at the first token)
         raise ValueError(f"{name}: this engine does not implement {', '.join(refused)}")
@@ -101,6 +109,7 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
         vocab_size=cfg["vocab_size"],
         max_context=cfg.get("max_position_embeddings", 2048),
         rope_theta=rope_theta,
+        rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         bos_token_id=cfg.get("bos_token_id"),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels import AttentionKernels, get_attention_kernels
 from shared.engine.attention import AttentionBatch, paged_attention, write_kv
 from shared.engine.model_config import ModelConfig
+from shared.engine.rope import RotaryEmbedding
 from shared.kv_layout import KVLayout
 
 
@@ -26,31 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
-
-
-class RotaryEmbedding:
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device, dtype=torch.float32):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        # cos/sin of the half, then duplicated: the same values as of cat([freqs, freqs]) at half the cost
-        # (tiny's 65536 positions: 0.4 s of an engine's start-up on a busy host)
-        cos, sin = freqs.cos().to(dtype=dtype), freqs.sin().to(dtype=dtype)
-        self.cos = torch.cat([cos, cos], dim=-1).to(device=device)
-        self.sin = torch.cat([sin, sin], dim=-1).to(device=device)
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; positions: [T]."""
-        return self.apply(x, *self.tables(positions))
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions`, shaped [T, 1, D]: gathered once per forward, used by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -97,9 +73,11 @@ class LlamaModel:
             self.layers.append(layer)
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         # cos/sin computed in fp64 and rounded once to the compute dtype (transformers rounds fp32 ones)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device, dtype)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context, self.device, dtype,
+                                    config.rope_scaling)
+        # Gemma 3's local layers rotate with a base of their own (Mistral's windowed layers share the global one)
         self.local_rope = (RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_context, self.device,
-                                           dtype) if any(self.windows) else None)
+                                           dtype) if config.rope_local_theta and any(self.windows) else None)
         self.scale = (config.query_scale or config.head_dim) ** -0.5
         self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
         # paged attention backend (MOORAGE_ATTN_KERNELS or auto); replace the attribute to switch
@@ -135,7 +113,7 @@ class LlamaModel:
             window = self.windows[i]
             h = rms_norm(x, L["in_norm"], c.rms_eps)
             qkv = F.linear(h, L["qkv"], L["qkv_bias"])
-            cos, sin = local_tables if window else tables
+            cos, sin = local_tables if window and local_tables is not None else tables
             if c.uses_qk_norm:
                 q = rms_norm(qkv[:, :hq * d].view(-1, hq, d), L["q_norm"], c.rms_eps)
                 k = rms_norm(qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d), L["k_norm"], c.rms_eps)

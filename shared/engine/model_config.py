@@ -1,11 +1,13 @@
-"""The shape of a decoder, whatever file its weights came from: Llama (SmolLM2, the `tiny` preset), Qwen 2 and 3,
-and Gemma 3, whose differences are fields here rather than classes (shared/engine/model.py reads them)."""
+"""The shape of a decoder, whatever file its weights came from: Llama (SmolLM2, the `tiny` preset, Llama 3.x with
+its RoPE scaling), Mistral, Qwen 2 and 3, and Gemma 3, whose differences are fields here rather than classes (shared/engine/model.py reads them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+from shared.engine.rope import RopeScaling
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -26,15 +28,18 @@ class ModelConfig:
     arch: str = "llama"
     explicit_head_dim: int = 0        # 0: hidden_size // num_heads (Gemma 3 sets its own)
     # Gemma 3: local layers attend to the last `sliding_window` tokens with their own RoPE base; every
-    # `sliding_window_pattern`-th layer is global. 0: every layer global.
+    # `sliding_window_pattern`-th layer is global. Mistral: pattern 0, every layer windowed. Window 0: none.
     sliding_window: int = 0
     sliding_window_pattern: int = 0
-    rope_local_theta: float = 10000.0
+    rope_local_theta: float = 0.0     # Gemma 3's local layers' RoPE base (0: windowed layers use rope_theta, as Mistral)
     query_scale: float = 0.0          # attention scale is query_scale ** -0.5 (0: head_dim, as Llama)
     qkv_bias: bool = False            # q/k/v projections with biases (Qwen 2)
     qk_norm: bool = False             # RMSNorm of each head's q and k before RoPE (Qwen 3; Gemma 3 always)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # the global layers' (Llama 3.x: llama3)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # read back from JSON (the model cache's meta)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r} (one of {', '.join(ARCHITECTURES)})")
         if not self.explicit_head_dim and self.hidden_size % self.num_heads:

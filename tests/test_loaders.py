@@ -75,7 +75,7 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
 
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
                "o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "gate_proj": "ffn_gate",
-               "up_proj": "ffn_up", "down_proj": "ffn_down"}
+               "up_proj": "ffn_up", "down_proj": "ffn_down", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 _GGUF_TOP = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
 
 
@@ -109,9 +109,13 @@ def gpt2_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], *,
-               qtype: GGMLQuantizationType | None = None, permute: bool = True,
-               with_vocab_size: bool = True, with_tokenizer: bool = True, arch: str = "llama") -> Path:
-    """Writes `weights` (our names, HF row order) the way llama.cpp's converter would."""
+               qtype: GGMLQuantizationType | None = None, permute: bool | None = None,
+               with_vocab_size: bool = True, with_tokenizer: bool = True, arch: str = "llama",
+               vocab: tuple[list[str], list[int], list[str]] | None = None, pre: str | None = None) -> Path:
+    """Writes `weights` (our names, HF row order) the way llama.cpp's converter would: q/k rows permuted for
+    llama only; Qwen 2's q/k/v biases and Qwen 3's q/k norms under their llama.cpp names. `vocab` (tokens,
+    types, merges) and `pre` replace the default GPT-2 style vocabulary."""
+    permute = arch == "llama" if permute is None else permute
     w = GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.block_count", config.num_layers)
     w.add_uint32(f"{arch}.embedding_length", config.hidden_size)
@@ -121,11 +125,16 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
     w.add_uint32(f"{arch}.context_length", config.max_context)
     w.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_eps)
+    if config.explicit_head_dim:
+        w.add_uint32(f"{arch}.attention.key_length", config.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", config.head_dim)
     if with_vocab_size:
         w.add_uint32(f"{arch}.vocab_size", config.vocab_size)
     if with_tokenizer:
-        tokens, types, merges = gpt2_vocab(config.vocab_size)
+        tokens, types, merges = vocab or gpt2_vocab(config.vocab_size)
         w.add_tokenizer_model("gpt2")
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
@@ -142,7 +151,7 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
                 arr = llama_cpp_permute(arr, config.num_heads, config.num_heads)
             elif permute and base == "k_proj":
                 arr = llama_cpp_permute(arr, config.num_heads, config.num_kv_heads)
-            gname = f"blk.{parts[1]}.{_GGUF_LAYER[base]}.weight"
+            gname = f"blk.{parts[1]}.{_GGUF_LAYER[base]}.{parts[3] if len(parts) > 3 else 'weight'}"
         else:
             gname = f"{_GGUF_TOP[name]}.weight"
         if qtype is not None and arr.ndim == 2:  # norms stay F32, as in llama.cpp
@@ -322,11 +331,13 @@ def _write_with_extra_tensor(path: Path, extra_name: str, extra: np.ndarray) -> 
     return path
 
 
-@pytest.mark.parametrize("name,shape", [("blk.0.attn_qkv.weight", (192, 64)), ("rope_freqs.weight", (8,)),
-                                        ("output.bias", (300,))])
-def test_gguf_unexpected_tensor(tmp_path, name, shape):
+@pytest.mark.parametrize("name,shape,named", [
+    ("blk.0.attn_qkv.weight", (192, 64), "unexpected GGUF tensor"),
+    ("rope_freqs.weight", (8,), "RoPE frequency factors"),  # Llama 3.1's scaling, as llama.cpp writes it
+    ("output.bias", (300,), "unexpected GGUF tensor")])
+def test_gguf_unexpected_tensor(tmp_path, name, shape, named):
     path = _write_with_extra_tensor(tmp_path / "extra.gguf", name, np.ones(shape, dtype=np.float32))
-    with pytest.raises(ValueError, match="unexpected GGUF tensor"):
+    with pytest.raises(ValueError, match=named):
         load_gguf(path)
 
 

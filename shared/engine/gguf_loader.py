@@ -1,8 +1,8 @@
-"""Read a GGUF file (llama: the bundled SmolLM2; gemma3: Gemma 3 270M) into our weight names.
+"""Read a GGUF file (llama: the bundled SmolLM2; gemma3: Gemma 3 270M; qwen2 / qwen3) into our weight names.
 
 Quantized tensors (Q4_1, Q4_K, Q8_0, ...) are dequantized with the `gguf` package. llama.cpp's converter
 permutes the rows of attn_q / attn_k of llama models so its RoPE can rotate adjacent pairs; we use the
-Hugging Face rotate-half RoPE, so those rows are permuted back here (and only here; gemma3 is not permuted).
+Hugging Face rotate-half RoPE, so those rows are permuted back here (and only here; gemma3 and qwen are not).
 Gemma's norms are stored with the +1 of its `x * (1 + w)` already added by the converter: they are plain
 RMSNorm weights here. An architecture or a tensor this engine does not implement is an error naming it.
 """
@@ -17,6 +17,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shared.engine.model_config import ModelConfig
+from shared.engine.rope import RopeScaling
 
 if TYPE_CHECKING:  # torch is needed for weights only, not for configs and tokenizers
     import torch
@@ -47,7 +48,10 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
 }
-_LAYERS_BY_ARCH = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+_QWEN3_LAYER_NAMES = {**_LAYER_NAMES, "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+_LAYERS_BY_ARCH = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES,
+                   "gemma3": _GEMMA3_LAYER_NAMES}
+_BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # tensors that also come as .bias
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 # Gemma 3 constants llama.cpp does not store: local layers' RoPE base and which layers are global
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -71,14 +75,27 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _rope_scaling(reader: GGUFReader, arch: str, name: str, tensor_names: set[str]) -> RopeScaling:
+    """llama.cpp's rope.scaling.* keys; Llama 3.1's scaling arrives as a rope_freqs tensor instead."""
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{name}: RoPE frequency factors (rope_freqs.weight, Llama 3.1's llama3 scaling as "
+                         "llama.cpp stores it) are not implemented for GGUF; load the Hugging Face directory")
+    rtype = _field(reader, f"{arch}.rope.scaling.type")
+    if rtype in (None, "none"):
+        return RopeScaling()
+    if rtype not in ("linear", "yarn"):
+        raise ValueError(f"{name}: unsupported RoPE scaling {rtype!r} ({arch}.rope.scaling.type)")
+    return RopeScaling(type=rtype, factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+                       original_max_positions=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+                                                  or _field(reader, f"{arch}.context_length")) if rtype == "yarn" else 0)
+
+
 def read_config(reader: GGUFReader, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _LAYERS_BY_ARCH:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (one of {', '.join(_LAYERS_BY_ARCH)})")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"unsupported RoPE scaling {scaling!r} in {name}")
     tensor_names = {t.name for t in reader.tensors}
+    scaling = _rope_scaling(reader, arch, name, tensor_names)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = () if eos is None else (int(eos),)
@@ -90,6 +107,9 @@ def read_config(reader: GGUFReader, name: str) -> ModelConfig:
         extra = dict(explicit_head_dim=key_len, sliding_window=int(_field(reader, "gemma3.attention.sliding_window", 0)),
                      sliding_window_pattern=GEMMA3_SLIDING_PATTERN, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
                      query_scale=float(key_len))
+    elif arch in ("qwen2", "qwen3"):
+        key_len = _field(reader, f"{arch}.attention.key_length")
+        extra = dict(explicit_head_dim=int(key_len or 0), qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
     return ModelConfig(
         name=name,
         num_layers=int(_field(reader, f"{arch}.block_count")),
@@ -100,6 +120,7 @@ def read_config(reader: GGUFReader, name: str) -> ModelConfig:
         vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
         max_context=int(_field(reader, f"{arch}.context_length")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -125,14 +146,15 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, base = int(parts[1]), parts[2]
-            if base not in names or parts[3:] != ["weight"]:
+            bias = parts[3:] == ["bias"] and base in _BIASES.get(config.arch, ())
+            if base not in names or not (parts[3:] == ["weight"] or bias):
                 raise ValueError(f"unexpected GGUF tensor {t.name} for architecture {config.arch!r}")
             arr = _tensor_to_numpy(t)
             if config.arch == "llama" and base == "attn_q":
                 arr = unpermute_rope_rows(arr, config.num_heads)
             elif config.arch == "llama" and base == "attn_k":
                 arr = unpermute_rope_rows(arr, config.num_kv_heads)
-            weights[f"layers.{layer}.{names[base]}"] = torch.from_numpy(arr)
+            weights[f"layers.{layer}.{names[base]}{'.bias' if bias else ''}"] = torch.from_numpy(arr)
         elif parts[0] in _TOP_NAMES and parts[-1] == "weight":
             weights[_TOP_NAMES[parts[0]]] = torch.from_numpy(_tensor_to_numpy(t))
         else:

@@ -74,6 +74,19 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
+# Pre-tokenizer splits by GGUF `tokenizer.ggml.pre` (llama.cpp's names), as the families' tokenizer.json spell them
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
+_DIGIT_PRE = frozenset({"smollm", "starcoder", "refact"})  # GPT-2's split after single digits
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE held by a `tokenizers.Tokenizer`: from GGUF metadata or a tokenizer.json."""
 
@@ -139,7 +152,10 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def _from_gpt2(cls, field, eos_token_ids: tuple[int, ...]) -> "BPETokenizer":
-        """GGUF 'gpt2' style vocabulary + merges, e.g. SmolLM2's (pre-tokenizer 'smollm': single digits)."""
+        """GGUF 'gpt2' style vocabulary + merges: SmolLM2's (pre-tokenizer 'smollm': single digits), Llama 3's
+        ('llama-bpe': digits in threes), Qwen 2/2.5/3's ('qwen2': single digits) and Mistral Nemo / Devstral's
+        ('tekken'). The splits are the ones transformers applies to the same files (its GGUF tokenizer
+        mapping), so ids are identical to its tokenizer's (tests/test_gguf_families.py)."""
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -147,19 +163,28 @@ class BPETokenizer(Tokenizer):
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre = field("tokenizer.ggml.pre", "default")
-        if pre in ("smollm", "starcoder", "refact"):
+        if pre in _DIGIT_PRE:
             digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
         elif pre in ("default", "gpt-2", "gpt2"):
-            tok.pre_tokenizer = byte_level
-        else:  # llama-bpe, qwen2, ... split text their own way: never tokenized as if they were GPT-2's
-            raise ValueError(f"unsupported BPE pre-tokenizer {pre!r} (default, gpt-2, smollm, starcoder, refact)")
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        elif pre in _SPLITS:  # the family's own split, then bytes (as its tokenizer.json does)
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:  # other families split text their own way: never tokenized as if they were GPT-2's
+            raise ValueError(f"unsupported BPE pre-tokenizer {pre!r} (default, gpt-2, "
+                             f"{', '.join(sorted(_DIGIT_PRE | set(_SPLITS)))})")
         tok.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL_TOKEN_TYPE]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-        return cls(tok, eos_token_ids, field("tokenizer.chat_template"))
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        bos = field("tokenizer.ggml.bos_token_id")
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", False)) and bos is not None  # Llama 3's <|begin_of_text|>
+        return cls(tok, eos_token_ids, field("tokenizer.chat_template"), tokens[bos] if add_bos else "")
 
     @classmethod
     def from_hf_dir(cls, path, eos_token_ids: tuple[int, ...]) -> "BPETokenizer":

@@ -48,6 +48,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the presets, or say whether and how moorage would load a model "
+                                      "(architecture, context, dtypes, KV bytes per token, tokenizer) without "
+                                      "loading its weights")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="presets or paths (.gguf files, Hugging Face directories); none: every preset")
+    p.add_argument("--json", action="store_true", help="one JSON object per model, on one line each")
+    p.set_defaults(func=_models)
+
+
+def _models(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from shared.engine.model_report import PRESETS, inspect_model
+    from shared.logging import setup_logging
+
+    setup_logging("models", "cli", level="warning", json=False)
+    reports = [inspect_model(m) for m in (args.models or list(PRESETS))]
+    for r in reports:
+        if args.json:
+            print(json.dumps(dataclasses.asdict(r)))
+        else:
+            print("\n".join(r.lines() + ([f"  preset         {PRESETS[r.model]}"] if r.model in PRESETS else [])))
+    return 0 if all(r.loadable for r in reports) else 1
+
+
 SERVICES = {
     "router": "the OpenAI-compatible HTTP API: tokenization, prefill choice, dispatch on the bus",
     "gate": "KV admission per decode instance",
@@ -211,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moorage", description="moorage: disaggregated serving with a shared KV pool")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_models(sub)
     _add_up(sub)
     _add_passthrough(sub, "serve", f"run one service ({', '.join(SERVICES)}): what compose and systemd start")
     _add_passthrough(sub, "watch", "run one service and announce its exit on the bus (compose's command)")

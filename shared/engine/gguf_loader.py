@@ -134,29 +134,32 @@ def _tensor_to_numpy(t) -> np.ndarray:
     return np.array(arr.reshape(shape), dtype=np.float32)  # owned, writable copy
 
 
+def gguf_weight_name(tensor: str, arch: str) -> str:
+    """Our name for a GGUF tensor ("blk.3.attn_q.weight" -> "layers.3.q_proj"); one this architecture does
+    not use raises, naming it."""
+    parts = tensor.split(".")
+    if parts[0] == "blk":
+        names, base = _LAYERS_BY_ARCH[arch], parts[2]
+        bias = parts[3:] == ["bias"] and base in _BIASES.get(arch, ())
+        if base not in names or not (parts[3:] == ["weight"] or bias):
+            raise ValueError(f"unexpected GGUF tensor {tensor} for architecture {arch!r}")
+        return f"layers.{parts[1]}.{names[base]}{'.bias' if bias else ''}"
+    if parts[0] in _TOP_NAMES and parts[1:] == ["weight"]:
+        return _TOP_NAMES[parts[0]]
+    raise ValueError(f"unexpected GGUF tensor {tensor}")
+
+
 def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFReader]:
     """Config, float32 weights under our names, and the reader (for tokenizer metadata)."""
     import torch
 
     reader = GGUFReader(str(path))
     config = read_config(reader, name or Path(path).stem)
-    names = _LAYERS_BY_ARCH[config.arch]
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            layer, base = int(parts[1]), parts[2]
-            bias = parts[3:] == ["bias"] and base in _BIASES.get(config.arch, ())
-            if base not in names or not (parts[3:] == ["weight"] or bias):
-                raise ValueError(f"unexpected GGUF tensor {t.name} for architecture {config.arch!r}")
-            arr = _tensor_to_numpy(t)
-            if config.arch == "llama" and base == "attn_q":
-                arr = unpermute_rope_rows(arr, config.num_heads)
-            elif config.arch == "llama" and base == "attn_k":
-                arr = unpermute_rope_rows(arr, config.num_kv_heads)
-            weights[f"layers.{layer}.{names[base]}{'.bias' if bias else ''}"] = torch.from_numpy(arr)
-        elif parts[0] in _TOP_NAMES and parts[-1] == "weight":
-            weights[_TOP_NAMES[parts[0]]] = torch.from_numpy(_tensor_to_numpy(t))
-        else:
-            raise ValueError(f"unexpected GGUF tensor {t.name}")
+        ours = gguf_weight_name(t.name, config.arch)
+        arr = _tensor_to_numpy(t)
+        if config.arch == "llama" and ours.endswith((".q_proj", ".k_proj")):
+            arr = unpermute_rope_rows(arr, config.num_heads if ours.endswith("q_proj") else config.num_kv_heads)
+        weights[ours] = torch.from_numpy(arr)
     return config, weights, reader

@@ -118,6 +118,15 @@ def read_hf_config(model_dir: Path, name: str) -> ModelConfig:
     )
 
 
+def hf_weight_name(key: str) -> str | None:
+    """Our name for a checkpoint tensor ("model.layers.3.self_attn.q_proj.weight" -> "layers.3.q_proj"), or
+    None for a derived buffer (RoPE's inv_freq)."""
+    if key.endswith(".rotary_emb.inv_freq"):
+        return None  # derived from rope_theta, never a weight
+    name = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+    return name.replace(".self_attn.", ".").replace(".mlp.", ".").removesuffix(".weight")
+
+
 def load_hf_dir(model_dir: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     model_dir = Path(model_dir)
     config = read_hf_config(model_dir, name or model_dir.name)
@@ -127,12 +136,8 @@ def load_hf_dir(model_dir: str | Path, name: str | None = None) -> tuple[ModelCo
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         for key, tensor in load_file(str(f)).items():
-            if key.endswith(".rotary_emb.inv_freq"):
-                continue  # derived from rope_theta, never a weight
-            name_ = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
-            # "layers.3.self_attn.q_proj.weight" -> "layers.3.q_proj"
-            name_ = name_.replace(".self_attn.", ".").replace(".mlp.", ".").removesuffix(".weight")
-            weights[name_] = tensor.to(torch.float32)
+            if (ours := hf_weight_name(key)) is not None:
+                weights[ours] = tensor.to(torch.float32)
     if config.gemma:  # Gemma's RMSNorm scales by (1 + w); ours by w, as the GGUF converter stores it
         for key in weights:
             if key == "norm" or key.rsplit(".", 1)[-1] in _GEMMA3_NORMS:

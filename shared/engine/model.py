@@ -29,6 +29,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """Every tensor a model of this shape reads, under our names: no more, no fewer."""
+    names = ["embed_tokens", "norm"] + ([] if config.tie_embeddings else ["lm_head"])
+    per_layer = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+                 "gate_proj", "up_proj", "down_proj")
+    if config.uses_qk_norm:
+        per_layer += ("q_norm", "k_norm")
+    if config.qkv_bias:
+        per_layer += ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+    if config.gemma:
+        per_layer += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{n}" for n in per_layer]
+    return names
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -84,18 +100,7 @@ class LlamaModel:
         self.attention = attention or get_attention_kernels(self.device)
 
     def expected_weight_names(self) -> list[str]:
-        names = ["embed_tokens", "norm"] + ([] if self.config.tie_embeddings else ["lm_head"])
-        per_layer = ("input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
-                     "gate_proj", "up_proj", "down_proj")
-        if self.config.uses_qk_norm:
-            per_layer += ("q_norm", "k_norm")
-        if self.config.qkv_bias:
-            per_layer += ("q_proj.bias", "k_proj.bias", "v_proj.bias")
-        if self.config.gemma:
-            per_layer += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-        for i in range(self.config.num_layers):
-            names += [f"layers.{i}.{n}" for n in per_layer]
-        return names
+        return expected_weight_names(self.config)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

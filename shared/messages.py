@@ -151,6 +151,8 @@ class AdmitRequest(Message):
     decode_instance: str | None = None  # None: the gate picks the decode with the least committed KV
     router_boot: str = ""  # the admitting router process (its load reports' detail["boot"]): when that router
     #                        instance reports another boot (it was restarted), the gate drops what this one held
+    priority: int = 0      # agent hint, higher first: a head start of priority x gate.priority_step_s in the queue
+    latency_s: float = 0.0  # agent hint (latency_sensitivity): seconds more of head start
 
 
 @message("admit_reply")
@@ -191,6 +193,7 @@ class PrefillSubmit(Message):
     session_id: str | None = None
     tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
     router: str = ""  # the sending router instance: its Holdings tell when nobody waits for the request
+    priority: int = 0  # agent hint, higher first: weighs the prompt's place in prefill's srpf order
 
 
 @message("decode_assign")

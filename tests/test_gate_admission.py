@@ -108,6 +108,47 @@ def test_head_of_line_blocks_until_it_fits():
     assert [a.request_id for a in g.drain(now=0)] == ["head", "s0", "s1", "s2", "s3", "s4"]
 
 
+# ---- priority (agent hints) --------------------------------------------------------------------------
+def test_a_higher_priority_waits_less_but_only_by_its_head_start():
+    g = gate(budget_fraction=1.0, priority_step_s=2.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    g.admit("a", 900, 0, now=0)
+    assert isinstance(g.admit("low", 500, 0, now=1), Wait)               # due at 1
+    assert isinstance(g.admit("old", 500, 0, now=2, priority=-1), Wait)  # due at 4
+    assert isinstance(g.admit("high", 500, 0, now=5, priority=3), Wait)  # due at -1: first
+    assert isinstance(g.admit("late", 500, 0, now=9, priority=3), Wait)  # due at 3: after low, before old
+    order = []
+    for rid in ("a", "high", "low", "late"):
+        g.release(rid)
+        order += [x.request_id for x in g.drain(now=10)]
+    assert order == ["high", "low", "late", "old"]
+
+
+def test_a_high_priority_request_that_fits_is_admitted_past_a_waiting_head():
+    g = gate(budget_fraction=1.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    g.admit("a", 600, 0, now=0)
+    assert isinstance(g.admit("head", 500, 0, now=1), Wait)
+    assert isinstance(g.admit("small", 10, 0, now=2), Wait)                 # due after head: waits (FIFO)
+    assert g.admit("urgent", 10, 0, now=2, priority=1) == Admitted("urgent", "d0", 10)  # due at 0 < 1
+    assert g.admit("eager", 10, 0, now=2, latency_s=1.5) == Admitted("eager", "d0", 10)  # due at 0.5 < 1
+    assert isinstance(g.admit("meek", 10, 0, now=2, latency_s=0.5), Wait)    # due at 1.5: behind head
+
+
+def test_expiry_counts_the_tokens_due_before_it():
+    g = gate(budget_fraction=1.0, admission_wait_s=5.0, retry_after_max_s=1000.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    g.admit("a", 500, 0, now=0)
+    g.admit("b", 500, 0, now=0)
+    g.release("a", now=1)  # 500 tokens freed: a release rate to estimate from
+    g.admit("c", 500, 0, now=1)
+    assert isinstance(g.admit("low", 300, 0, now=1.5), Wait)
+    assert isinstance(g.admit("high", 600, 0, now=1.5, priority=1), Wait)
+    rejected = {r.request_id: r for r in g.expire(now=7).rejected}
+    assert set(rejected) == {"low", "high"}
+    assert rejected["low"].retry_after_s > rejected["high"].retry_after_s  # high is due first: less ahead
+
+
 def test_wait_then_expire_with_retry_after():
     g = gate(budget_fraction=1.0, admission_wait_s=2.0, retry_after_s=3.0)
     g.report("d0", 1000, 1000, True, now=0)
@@ -286,7 +327,8 @@ def test_seeded_random_stress():
         if op < 0.4:
             rid = f"r{step}"
             out = g.admit(rid, rng.randint(1, 3000), rng.randint(0, 1000), now,
-                          rng.choice(names + [None, None, None]))
+                          rng.choice(names + [None, None, None]), priority=rng.choice([0, 0, 0, -2, 3]),
+                          latency_s=rng.choice([0.0, 0.0, 1.0]))
             if isinstance(out, Admitted):
                 admitted(out)
             elif isinstance(out, Invalid):

@@ -86,8 +86,9 @@ class Client:
         await c.bus.subscribe(c.s.load("gate", "*"), LoadReport, on_gate)
         return c
 
-    async def admit(self, rid: str, prompt: int, out: int, timeout: float = 5.0) -> AdmitReply:
-        return await self.bus.request(self.s.gate_admit, AdmitRequest(rid, prompt, out), AdmitReply, timeout=timeout)
+    async def admit(self, rid: str, prompt: int, out: int, timeout: float = 5.0, priority: int = 0) -> AdmitReply:
+        return await self.bus.request(self.s.gate_admit, AdmitRequest(rid, prompt, out, priority=priority),
+                                      AdmitReply, timeout=timeout)
 
     async def release(self, rid: str) -> None:
         await self.bus.publish(self.s.gate_release, Release(rid))
@@ -164,6 +165,24 @@ async def test_release_lets_a_waiting_request_in(start_gate, connect):
     await c.release("a")  # duplicate: counted, nothing else
     report = await c.gate_state(lambda d: d["release_duplicate"] == 1)
     assert report.detail["reserved_tokens"] == {"d0": 500} and report.detail["released"] == 1
+
+
+async def test_a_higher_priority_on_the_wire_is_admitted_first(start_gate, connect):
+    """AdmitRequest.priority (an agent hint from the router) reorders the gate's queue: of two requests
+    waiting for the same budget, the later one with priority 2 (4 s of head start) goes first."""
+    c = await connect(start_gate("gate.admission_wait_s=20"))
+    await c.decode("d0", 1000, 1000)
+    await c.gate_state(lambda d: d["live_instances"] == 1)
+    assert (await c.admit("a", 800, 100)).status == "admitted"
+    low = asyncio.create_task(c.admit("low", 400, 100, timeout=30))
+    await c.gate_state(lambda d: d["waiting"] == 1)
+    high = asyncio.create_task(c.admit("high", 400, 100, timeout=30, priority=2))
+    await c.gate_state(lambda d: d["waiting"] == 2)
+    await c.release("a")
+    r = await asyncio.wait_for(high, 10.0)
+    assert r.status == "admitted" and not low.done()  # 500 + 500 > 900: only one fits
+    await c.release("high")
+    assert (await asyncio.wait_for(low, 10.0)).status == "admitted"
 
 
 async def test_a_routers_holdings_free_what_it_no_longer_holds(start_gate, connect):

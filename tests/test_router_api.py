@@ -195,6 +195,9 @@ class FakeCluster:
     def submit_of(self, rid: str):
         return next((name, m, h) for name, m, h in self.submits if m.request_id == rid)
 
+    def admit_of(self, rid: str) -> AdmitRequest:
+        return next(m for m, _ in self.admits if m.request_id == rid)
+
 
 def _start_router(url: str, prefix: str, port: int, log, traces: Path, *extra: str) -> subprocess.Popen:
     sets = [*extra, f"bus.url={url}", f"bus.prefix={prefix}", f"router.port={port}", "router.model=tiny",
@@ -390,6 +393,38 @@ def test_chat_parameters_reach_the_prefill(client, fake):
                                                            stop="x", temperature=0.7)
     _, submit, _ = fake.submit_of(raw.headers["x-request-id"])
     assert submit.sampling["seed"] == 123 and submit.sampling["max_tokens"] == 7 and submit.sampling["stop"] == ["x"]
+
+
+@pytest.mark.parametrize("extra_body, headers, want", [
+    ({}, {}, (0, 0.0)),
+    ({"priority": -2}, {}, (2, 0.0)),                                            # vLLM's: lower first
+    ({"nvext": {"agent_hints": {"priority": 3, "latency_sensitivity": 1.5, "osl": 64}}}, {}, (3, 1.5)),  # Dynamo's
+    ({"priority": 5, "nvext": {"agent_hints": {"priority": 1}}}, {}, (1, 0.0)),  # Dynamo's over vLLM's
+    ({"nvext": {"agent_hints": {"priority": 1, "latency_sensitivity": 2.0}}}, {"x-request-priority": "-4"}, (-4, 2.0)),
+])
+def test_agent_hints_reach_the_gate_and_the_prefill(client, fake, extra_body, headers, want):
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=2,
+                                                           extra_body=extra_body, extra_headers=headers)
+    rid = raw.headers["x-request-id"]
+    admit, (_, submit, _) = wait_for(lambda: fake.admit_of(rid)), fake.submit_of(rid)
+    assert (admit.priority, admit.latency_s) == want and submit.priority == want[0]
+
+
+@pytest.mark.parametrize("extra_body, headers, param", [
+    ({"nvext": {"agent_hints": {"priority": 11}}}, {}, "nvext.agent_hints.priority"),  # above max_priority 10
+    ({"priority": -11}, {}, "priority"),                                               # 11, said vLLM's way
+    ({}, {"x-request-priority": "11"}, "x-request-priority"),
+    ({}, {"x-request-priority": "high"}, "x-request-priority"),
+    ({"priority": "high"}, {}, "priority"),
+    ({"nvext": {"agent_hints": {"latency_sensitivity": -1}}}, {}, "nvext.agent_hints.latency_sensitivity"),
+    ({"nvext": {"agent_hints": {"osl": 0}}}, {}, "nvext.agent_hints.osl"),
+])
+def test_bad_or_disallowed_hints_are_a_400_naming_the_field(http, fake, extra_body, headers, param):
+    before = (len(fake.admits), len(fake.submits))
+    resp = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, **extra_body}, headers=headers)
+    assert assert_openai_error(resp, 400)["param"] == param
+    time.sleep(0.05)
+    assert (len(fake.admits), len(fake.submits)) == before
 
 
 def test_same_session_sticks_to_one_prefill(client, fake):

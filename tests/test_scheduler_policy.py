@@ -7,7 +7,7 @@ import pytest
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampling import SamplingParams
-from shared.engine.scheduler import SchedulePolicy, Scheduler
+from shared.engine.scheduler import SchedulePolicy, Scheduler, priority_weight
 from shared.engine.sequence import Sequence, SeqStatus
 
 B = 16
@@ -100,6 +100,36 @@ def test_srpf_aging_lets_a_long_waiting_prompt_go_before_a_fresh_short_one():
     sched.add(seq(clock, "short", [5] * 200))
     step = run_step(sched)
     assert step == {"long": 300}                  # the whole budget to the aged prompt
+
+
+def test_srpf_a_higher_priority_prompt_goes_first_by_its_weight_and_past_the_cap():
+    sched, clock = make("srpf", budget=300, cap=100)
+    sched.add(seq(clock, "short", [5] * 200))
+    urgent = seq(clock, "urgent", [3] * 1000)
+    urgent.priority = 9                           # weight 10: counts as 100 tokens, fewer than short's 200
+    sched.add(urgent)
+    assert run_step(sched) == {"urgent": 300}    # the whole budget: the per-prompt cap is for priority <= 0
+    meek = seq(clock, "meek", [7] * 150)
+    meek.priority = -1                            # weight 1/2: counts as 300, more than short's 200
+    sched.add(meek)
+    assert run_step(sched) == {"urgent": 300}    # 700 left / 10 = 70: still first, and alone in its step
+    sched.add(seq(clock, "also", [9] * 50))
+    assert run_step(sched) == {"urgent": 300}
+    assert run_step(sched) == {"urgent": 100}    # its last 100, still alone
+    assert run_step(sched) == {"also": 50, "short": 100, "meek": 100}  # then the others, capped again
+    assert priority_weight(0) == 1.0 and priority_weight(3) == 4.0 and priority_weight(-3) == 0.25
+
+
+def test_srpf_a_low_priority_prompt_still_gets_its_turn_by_aging():
+    sched, clock = make("srpf", budget=300, cap=300, aging_s=10.0)
+    low = seq(clock, "low", [3] * 400)
+    low.priority = -3                             # weight 1/4: counts as 1600
+    sched.add(low)
+    clock.ns += 100 * S                           # waited 100 s: 1600 / 11 ~ 145
+    high = seq(clock, "high", [5] * 600)
+    high.priority = 3                             # weight 4: counts as 150
+    sched.add(high)
+    assert run_step(sched) == {"low": 300}
 
 
 def test_srpf_short_arrivals_never_starve_a_cold_prompt():

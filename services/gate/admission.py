@@ -14,8 +14,11 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   over the largest budget we know), `Rejected(unavailable=True)` (decode instances are known but none
   live can ever hold it now: waiting would only delay a certain failure), or `Wait` (queued). With no
   decode known at all (the gate just started), a request waits for one to report.
-- The queue is strict FIFO: `drain` admits from the head while the head fits, and a new request
-  queues behind any waiting one, so a big request at the head is never overtaken for ever.
+- The queue is ordered by due time: when a request arrived, less a head start of `priority x
+  priority_step_s` plus its `latency_s` (agent hints; both 0 by default, which is plain FIFO). `drain`
+  admits from the head while the head fits, and a new request is admitted at once only when nobody is
+  waiting or it is due before the head. A big request at the head is never overtaken for ever: a
+  later one overtakes it only by its bounded head start (the router caps priorities per tenant).
 - `expire` rejects requests that waited `admission_wait_s` and drops reservations older than
   `reservation_ttl_s` (their router died). What a router process holds (reservations, waiting admits)
   is dropped once it has sent no load report for `router_timeout_s` (counted "router_gone"), or at
@@ -122,10 +125,15 @@ class Waiting:
     instance: str | None  # the router's choice, honoured when that instance is live and big enough
     enqueued_at: float
     owner: str = ""       # the router process (boot id) that asked
+    head_start_s: float = 0.0  # from its priority and latency hints: served as if it had arrived this much earlier
 
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def due(self) -> tuple[float, float]:
+        return self.enqueued_at - self.head_start_s, self.enqueued_at
 
 
 class IntegrityError(AssertionError):
@@ -137,7 +145,7 @@ class Admission:
         self.settings = settings or GateSettings()
         self.instances: dict[str, Instance] = {}
         self.reservations: dict[str, Reservation] = {}
-        self.queue: OrderedDict[str, Waiting] = OrderedDict()  # FIFO, indexed by request id
+        self.queue: OrderedDict[str, Waiting] = OrderedDict()  # by request id, in arrival order; served by due time
         self._finished: OrderedDict[str, str] = OrderedDict()  # request id -> how it ended ("released", "expired", ...)
         self._freed: deque[tuple[float, int]] = deque()  # (when, tokens) budget given back, release_window_s
         self._since: float | None = None  # first time we were asked anything (the window's start, early on)
@@ -231,8 +239,15 @@ class Admission:
                     f"{max(live)} tokens")
         return None
 
+    def head_start(self, priority: int, latency_s: float = 0.0) -> float:
+        return priority * self.settings.priority_step_s + max(0.0, latency_s)
+
+    def _head(self) -> Waiting | None:
+        return min(self.queue.values(), key=lambda w: w.due, default=None)
+
     def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
-              instance: str | None = None, owner: str = "") -> Admitted | Invalid | Rejected | Wait:
+              instance: str | None = None, owner: str = "", priority: int = 0,
+              latency_s: float = 0.0) -> Admitted | Invalid | Rejected | Wait:
         """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
         reserved or waiting returns its current state and reserves nothing more."""
         if self._since is None:
@@ -249,12 +264,13 @@ class Admission:
         if reason is not None:
             self.counters["invalid"] += 1
             return Invalid(request_id, reason)
-        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner)
+        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner, self.head_start(priority, latency_s))
         unavailable = self._unavailable_reason(w.tokens, now)
         if unavailable is not None:
             self.counters["rejected"] += 1
             return Rejected(request_id, unavailable, 0.0, self.retry_after(w.tokens, now), unavailable=True)
-        if not self.queue:  # strict FIFO: nobody overtakes a waiting request
+        head = self._head()
+        if head is None or w.due < head.due:  # nobody overtakes a request due before it
             inst = self._choose(w, now)
             if inst is not None:
                 return self._reserve(w, inst, now)
@@ -269,10 +285,10 @@ class Admission:
         return Admitted(w.request_id, inst.name, w.tokens, now - w.enqueued_at)
 
     def drain(self, now: float) -> list[Admitted]:
-        """Admit waiting requests in FIFO order while the head fits (call after a release or a report)."""
+        """Admit waiting requests in due order while the head fits (call after a release or a report)."""
         out = []
         while self.queue:
-            w = next(iter(self.queue.values()))
+            w = self._head()
             inst = self._choose(w, now)
             if inst is None:
                 break
@@ -301,7 +317,7 @@ class Admission:
             big_enough = any(self.live(i, now) and i.budget >= w.tokens for i in self.instances.values())
             reason = (f"no KV budget for {w.tokens} tokens on decode within {s.admission_wait_s:g} s"
                       if big_enough else NO_INSTANCE)
-            ahead = sum(q.tokens for q in self.queue.values() if q.enqueued_at <= w.enqueued_at)
+            ahead = sum(q.tokens for q in self.queue.values() if q.due <= w.due)
             out.rejected.append(Rejected(w.request_id, reason, now - w.enqueued_at,
                                          self.retry_after(w.tokens, now, ahead), unavailable=not big_enough))
         for r in [r for r in self.reservations.values() if now - r.admitted_at >= s.reservation_ttl_s]:

@@ -20,12 +20,14 @@ class GateSettings:
     retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
     release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
     holdings_grace_s: float = 5.0       # a reservation a router's Holdings no longer lists is dropped once this old
+    priority_step_s: float = 2.0        # queue head start per priority level (agent hints): priority 5 is served as if it had waited 10 s more
     router_timeout_s: float = 30.0      # stall backstop: a router process with no load report this long is gone, what it holds is dropped and its requests cancelled (an announced exit does that at once; 0: off; keep it well above the routers' load_interval_s)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget_fraction <= 1.0:
             raise ConfigError(f"gate.budget_fraction must be in (0, 1], got {self.budget_fraction}")
-        for name in ("admission_wait_s", "retry_after_s", "max_input_tokens", "max_output_tokens", "router_timeout_s"):
+        for name in ("admission_wait_s", "retry_after_s", "max_input_tokens", "max_output_tokens", "router_timeout_s",
+                     "priority_step_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"gate.{name} must not be negative, got {getattr(self, name)}")
         if self.retry_after_max_s < self.retry_after_s:

@@ -88,7 +88,7 @@ class Gate:
             if self.stopping:
                 raise RuntimeError("shutting down")
             outcome = self.admission.admit(msg.request_id, msg.prompt_tokens, msg.max_tokens, now,
-                                           msg.decode_instance, msg.router_boot)
+                                           msg.decode_instance, msg.router_boot, msg.priority, msg.latency_s)
         except Exception as e:  # a bug must cost one request, not the service
             self.log.exception("admit failed", request_id=msg.request_id)
             outcome, error = Rejected(msg.request_id, f"gate internal error: {e}", 0.0,
@@ -119,7 +119,8 @@ class Gate:
         return tracer.start_span("gate.admit", context=Bus.trace_context(raw), kind=trace.SpanKind.SERVER,
                                  start_time=start_ns, attributes={"request_id": msg.request_id,
                                                                   "prompt_tokens": msg.prompt_tokens,
-                                                                  "max_tokens": msg.max_tokens})
+                                                                  "max_tokens": msg.max_tokens,
+                                                                  "priority": msg.priority})
 
     async def on_release(self, msg: Release, raw: Msg) -> None:
         how = self.admission.release(msg.request_id, time.monotonic())

@@ -114,7 +114,7 @@ class PrefillService:
             p.seq = self.engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True,
                                             pinned_blocks=pinned,
                                             restored_range=restored.token_range if restored else (0, 0),
-                                            tenant=p.submit.tenant)
+                                            tenant=p.submit.tenant, priority=p.submit.priority)
         try:
             await self.loop.call_now(add)  # queued at once, even while a long step computes
         except ValueError as e:

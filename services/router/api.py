@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from services.router.conversation import Conversation
+from services.router.hints import Hints
 from services.router.schemas import OpenAIError, from_validation_error
 from services.router.tool_calls import Call, CallParser, Text, ToolFormat
 
@@ -36,6 +37,7 @@ class Parsed:
     ignore_eos: bool = False
     session_hint: str | None = None  # the session, as the body names it (prompt_cache_key, user, metadata.user_id)
     include_usage: bool = False      # OpenAI streams: a final usage chunk
+    hints: Hints = Hints()           # priority (services/router/hints.py), before the header and the tenant's ceiling
 
 
 @dataclass

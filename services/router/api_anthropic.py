@@ -24,7 +24,8 @@ from pydantic import Field, field_validator, model_validator
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.api_openai import sse
 from services.router.conversation import Conversation, ToolChoice, tool
-from services.router.schemas import INT64_MAX, OpenAIError, _Lenient
+from services.router.hints import from_body
+from services.router.schemas import INT64_MAX, Hinted, OpenAIError, _Lenient
 from services.router.tool_calls import Call
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -88,7 +89,7 @@ class Metadata(_Lenient):
     user_id: str | None = None
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(Hinted):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)]
@@ -239,7 +240,7 @@ class Messages(Api):
         body: MessagesRequest = self.validate(MessagesRequest, raw)
         return Parsed(body.model, bool(body.stream), conversation=conversation(body), max_tokens=body.max_tokens,
                       temperature=body.temperature, top_p=body.top_p, stop=list(body.stop_sequences or []),
-                      session_hint=body.metadata.user_id if body.metadata else None)
+                      hints=from_body(body), session_hint=body.metadata.user_id if body.metadata else None)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
         return AnthropicShaper(request_id, prepared.parsed.model, prepared)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.conversation import Conversation, ToolChoice, tool
+from services.router.hints import from_body
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, NamedChoice, OpenAIError
 from services.router.tool_calls import Call
 from shared.messages import TokenChunk
@@ -143,7 +144,8 @@ class ChatCompletions(Api):
                             body.response_format.schema() if body.response_format else None)
         return Parsed(body.model, bool(body.stream), conversation=conv, max_tokens=body.requested_max_tokens(),
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
-                      ignore_eos=bool(body.ignore_eos), session_hint=body.prompt_cache_key or body.user,
+                      ignore_eos=bool(body.ignore_eos), hints=from_body(body),
+                      session_hint=body.prompt_cache_key or body.user,
                       include_usage=body.include_usage)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
@@ -159,7 +161,8 @@ class Completions(Api):
         body: CompletionRequest = self.validate(CompletionRequest, raw)
         return Parsed(body.model, bool(body.stream), prompt=body.prompt, max_tokens=body.requested_max_tokens(),
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
-                      ignore_eos=bool(body.ignore_eos), session_hint=body.prompt_cache_key or body.user,
+                      ignore_eos=bool(body.ignore_eos), hints=from_body(body),
+                      session_hint=body.prompt_cache_key or body.user,
                       include_usage=body.include_usage)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:

@@ -24,7 +24,8 @@ from pydantic import Field, field_validator, model_validator
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.api_openai import sse
 from services.router.conversation import Conversation, ToolChoice, tool
-from services.router.schemas import INT64_MAX, ContentPart, OpenAIError, _Lenient, message_text
+from services.router.hints import from_body
+from services.router.schemas import INT64_MAX, ContentPart, Hinted, OpenAIError, _Lenient, message_text
 from services.router.tool_calls import Call, Text
 
 
@@ -94,7 +95,7 @@ class TextOptions(_Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Hinted):
     model: str
     input: str | list[Item]
     instructions: str | None = None
@@ -278,7 +279,7 @@ class Responses(Api):
         body: ResponsesRequest = self.validate(ResponsesRequest, raw)
         return Parsed(body.model, bool(body.stream), conversation=conversation(body),
                       max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                      session_hint=body.prompt_cache_key or body.user)
+                      hints=from_body(body), session_hint=body.prompt_cache_key or body.user)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
         return ResponsesShaper(request_id, prepared)

@@ -22,6 +22,8 @@ class RouterSettings:
     served_model_name: str = ""        # the name clients send; "" = model
     api_keys: list[str] = field(default_factory=list)  # non-empty: require `Authorization: Bearer <key>`
     api_key_tenants: dict[str, str] = field(default_factory=dict)  # more keys, each with its tenant ({key = "tenant"}): tenants never share cached KV; keys of one tenant (and all of api_keys) do
+    max_priority: int = 10             # agent hints: the highest priority (higher first) a request may ask for; above it is a 400
+    tenant_max_priority: dict[str, int] = field(default_factory=dict)  # per tenant of api_key_tenants ({tenant = n}): its own ceiling
     metrics_require_key: bool = False  # GET /metrics needs an API key too (when any key is configured)
     default_max_tokens: int = 512      # when the client gives none (capped by the room left in context)
     max_request_tokens: int = 0        # prompt + max_tokens cap; 0 = the model's context
@@ -53,6 +55,11 @@ class RouterSettings:
                      "instance_timeout_s", "liveness_timeout_s", "holdings_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}")
+        ceilings = {"max_priority": self.max_priority,
+                    **{f"tenant_max_priority.{t}": n for t, n in self.tenant_max_priority.items()}}
+        for name, ceiling in ceilings.items():
+            if not -1000 <= ceiling <= 1000:
+                raise ConfigError(f"router.{name} must be in [-1000, 1000], got {ceiling}")
         if any(not k for k in self.api_keys):
             raise ConfigError("router.api_keys must not contain empty keys")
         for key, tenant in self.api_key_tenants.items():
@@ -64,6 +71,9 @@ class RouterSettings:
             if key in self.api_keys:
                 raise ConfigError("router.api_key_tenants: a key is listed in router.api_keys too "
                                   "(the untenanted namespace); list it in one place")
+
+    def priority_ceiling(self, tenant: str) -> int:
+        return self.tenant_max_priority.get(tenant, self.max_priority)
 
     @property
     def key_tenants(self) -> dict[str, str]:

@@ -122,6 +122,8 @@ class Job:
     max_tokens: int
     sampling: dict
     tenant: str = ""  # the API key's tenant (router.api_key_tenants): salts the request's KV namespace
+    priority: int = 0     # agent hints (services/router/hints.py), higher first
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ class Dispatch:
         with trace.use_span(self.span, end_on_exit=False):
             try:
                 reply = await self._unless_aborted(self.bus.request(self.bus.subjects.gate_admit, AdmitRequest(
-                    rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot),
+                    rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot,
+                    priority=job.priority, latency_s=job.latency_s),
                     AdmitReply, timeout=s.admission_timeout_s))
             except (*_BUS_ERRORS, MessageError) as e:
                 self.state.metrics.admission_rejections.labels("timeout").inc()
@@ -297,7 +300,7 @@ class Dispatch:
             try:
                 ack = await self._unless_aborted(self.bus.request(self.bus.subjects.prefill_submit(self.prefill),
                     PrefillSubmit(rid, job.prompt_ids, job.sampling, decode, job.session_id, job.tenant,
-                                  self.state.instance), Ack,
+                                  self.state.instance, job.priority), Ack,
                     timeout=s.submit_timeout_s))
             except PayloadTooLarge as e:  # prepare() checks the size first: only a smaller server cap gets here
                 raise OpenAIError(413, f"the request is too large for the message bus: {e}",

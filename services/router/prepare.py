@@ -17,6 +17,7 @@ from fastapi import Request
 from services.router.api import Api, Parsed, Prepared
 from services.router.conversation import Conversation, render_prompt
 from services.router.dispatch import Job, RouterState
+from services.router.hints import HEADER, resolve
 from services.router.schemas import OpenAIError
 from shared.engine.sampling import SamplingParams
 from shared.messages import PrefillSubmit
@@ -154,7 +155,9 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
         raise OpenAIError(400, str(e)) from None
     conv = parsed.conversation
     session = session_id or parsed.session_hint or conversation_key(conv)
-    job = Job(request_id, session, prompt_ids, max_tokens, sampling, tenant=tenant)
+    hints = resolve(parsed.hints, request.headers.get(HEADER), state.settings.priority_ceiling(tenant))
+    job = Job(request_id, session, prompt_ids, max_tokens, sampling, tenant=tenant, priority=hints.priority,
+              latency_s=hints.latency_s)
     check_bus_size(state, job, api.chat)
     reads_calls = conv is not None and conv.tools and conv.tool_choice.mode != "none"
     return job, Prepared(parsed, len(prompt_ids), state.tool_format if reads_calls else None,

@@ -74,6 +74,23 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class AgentHints(_Lenient):
+    """Dynamo's nvext.agent_hints (services/router/hints.py)."""
+    priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None  # higher first
+    latency_sensitivity: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] | None = None
+    osl: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # expected output length: validated, not yet used
+
+
+class NvExt(_Lenient):
+    agent_hints: AgentHints | None = None
+
+
+class Hinted(_Lenient):
+    """The agent hints every generation API accepts."""
+    priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None  # vLLM's: lower first
+    nvext: NvExt | None = None
+
+
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
 
@@ -221,7 +238,7 @@ class ToolMessage(_Message):
 ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-class _GenerationRequest(_Lenient):
+class _GenerationRequest(Hinted):
     """Fields shared by chat and text completions."""
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None

@@ -145,12 +145,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     retain_kv: bool = False, prefill_only: bool = False, pinned_blocks: list[int] = (),
-                    restored_range: tuple[int, int] = (0, 0), tenant: str = "") -> Sequence:
+                    restored_range: tuple[int, int] = (0, 0), tenant: str = "", priority: int = 0) -> Sequence:
         """Queue a request. `retain_kv`: on finish its block table passes to the caller. `prefill_only`:
         finish after the first token; if that token did not end the request, the reason is
         "prefilled" and the block table passes to the caller (for the handoff). `pinned_blocks`: one
         reference the caller gives up once the request is admitted (or rejected here). `tenant`: its
-        prefix cache entries are matched and registered under that tenant's namespace only."""
+        prefix cache entries are matched and registered under that tenant's namespace only. `priority`:
+        higher first in srpf order (scheduler.priority_weight)."""
         try:
             self._validate(request_id, prompt_ids, params)
         except ValueError:
@@ -163,7 +164,8 @@ class Engine:
             raise
         seq = Sequence(request_id, list(prompt_ids), params, retain_kv=retain_kv, prefill_only=prefill_only,
                        pinned_blocks=list(pinned_blocks), restored_range=restored_range,
-                       hash_seed=self.kv_namespace(tenant).seed if tenant else None, guide=guide)
+                       hash_seed=self.kv_namespace(tenant).seed if tenant else None, guide=guide,
+                       priority=priority)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq

@@ -48,7 +48,7 @@ class ScheduledBatch:
 @dataclass(frozen=True)
 class SchedulePolicy:
     kind: str = "fcfs"              # fcfs | srpf
-    long_prefill_tokens: int = 0    # srpf: per-prompt tokens per step (0 = no cap beyond the budget)
+    long_prefill_tokens: int = 0    # srpf: per-prompt tokens per step (0 = no cap beyond the budget); a prompt with priority > 0 is not capped
     aging_s: float = 30.0           # srpf: waiting this long halves a prompt's remaining-token count
 
     def __post_init__(self) -> None:
@@ -60,6 +60,13 @@ class SchedulePolicy:
     @classmethod
     def from_config(cls, cfg) -> "SchedulePolicy":
         return cls(cfg.schedule, cfg.long_prefill_tokens, cfg.schedule_aging_s)
+
+
+def priority_weight(priority: int) -> float:
+    """How much sooner a priority makes a prompt in srpf order: 1 + p for p > 0 (priority 10: as if it had 11x
+    fewer tokens left), 1 / (1 - p) below 0. Bounded by the router's ceiling, and aging still halves a waiting
+    prompt's count per aging_s, so a low priority waits longer but never for ever."""
+    return 1.0 + priority if priority >= 0 else 1.0 / (1.0 - priority)
 
 
 class Scheduler:
@@ -111,14 +118,17 @@ class Scheduler:
         cap = self.policy.long_prefill_tokens or budget
         now = self.clock_ns()
         prompts = [s for s in self.running if s.num_uncomputed > 1] + list(self.waiting)
+        lead = None  # once a prompt with priority > 0 is in, the step takes no lower one: it stays short
         for seq in sorted(prompts, key=lambda s: self._priority(s, now)):
             if budget == 0:
                 break
+            if lead is not None and seq.priority < lead:
+                continue
             if seq.status is SeqStatus.WAITING:
                 if len(self.running) >= self.max_num_seqs:
                     continue
                 self._admit_prefix(seq)
-                n = min(seq.num_uncomputed, budget, cap)
+                n = min(seq.num_uncomputed, budget, cap if seq.priority <= 0 else budget)
                 if not self._try_grow(seq, n):
                     self._drop_blocks(seq)  # retry later, when blocks are free; shorter ones may fit...
                     if now - seq.arrival_ns >= self.policy.aging_s * 1e9:
@@ -130,15 +140,17 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
             else:
-                n = min(seq.num_uncomputed, budget, cap)
+                n = min(seq.num_uncomputed, budget, cap if seq.priority <= 0 else budget)
                 if not self._try_grow(seq, n):
                     continue
             batch.seqs.append(seq), batch.num_tokens.append(n)
             budget -= n
+            lead = seq.priority if lead is None and seq.priority > 0 else lead
         return batch
 
     def _priority(self, seq: Sequence, now_ns: int) -> tuple[float, int]:
-        """Smaller first: tokens still to compute, halved per `aging_s` waited; ties in arrival order."""
+        """Smaller first: tokens still to compute, halved per `aging_s` waited and divided by the request's
+        priority weight; ties in arrival order."""
         remaining = seq.num_uncomputed
         if seq.status is SeqStatus.WAITING and not seq.block_table and self.enable_prefix_cache:
             cached = self._cached_estimate.get(seq)
@@ -148,7 +160,7 @@ class Scheduler:
                 self._cached_estimate[seq] = cached
             remaining -= cached
         waited_s = max(0, now_ns - seq.arrival_ns) / 1e9
-        return remaining / (1.0 + waited_s / self.policy.aging_s), seq.arrival_ns
+        return remaining / (1.0 + waited_s / self.policy.aging_s) / priority_weight(seq.priority), seq.arrival_ns
 
     def _schedule_prefill(self) -> ScheduledBatch:
         batch = ScheduledBatch(True, [], [])

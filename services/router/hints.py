@@ -1,0 +1,56 @@
+"""Agent hints: what a client may say about a request's urgency, in the forms agent harnesses send.
+
+- `priority` in the body: vLLM's, lower is served first (default 0). moorage negates it.
+- `nvext.agent_hints.priority`: Dynamo's, higher is served first. `nvext.agent_hints.latency_sensitivity`:
+  seconds of head start in the admission queue on top of the priority's.
+- the header `x-request-priority`: higher first, as Dynamo's.
+
+One priority is kept, higher first, from the first of: the header, `nvext.agent_hints.priority`, the body's
+`priority`. It acts in the gate's queue (a head start of priority x gate.priority_step_s) and in prefill's
+srpf order (a weight on the tokens left to compute, bounded: no starvation). A tenant may use priorities up
+to its ceiling (router.max_priority, or router.tenant_max_priority[tenant]); above it, or malformed, is a 400
+naming the field. Lower priorities are always allowed (down to MIN_PRIORITY).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.schemas import OpenAIError, Hinted
+
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # what any field may say; the tenant's ceiling is lower
+HEADER = "x-request-priority"
+
+
+@dataclass(frozen=True)
+class Hints:
+    priority: int = 0          # higher first
+    latency_s: float = 0.0     # more head start in the gate's queue
+    source: str = "priority"   # the field the priority came from, named in errors
+
+
+def from_body(body: Hinted) -> Hints:
+    agent = body.nvext.agent_hints if body.nvext else None
+    latency = (agent.latency_sensitivity if agent else None) or 0.0
+    if agent is not None and agent.priority is not None:
+        return Hints(agent.priority, latency, "nvext.agent_hints.priority")
+    return Hints(-body.priority if body.priority is not None else 0, latency)
+
+
+def resolve(body: Hints, header: str | None, ceiling: int) -> Hints:
+    """The request's hints: the header's priority over the body's, checked against the tenant's ceiling."""
+    hints = body
+    if header is not None:
+        try:
+            value = int(header.strip())
+        except ValueError:
+            raise OpenAIError(400, f"{HEADER} must be an integer, got {header[:32]!r}", param=HEADER) from None
+        if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+            raise OpenAIError(400, f"{HEADER} must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value}", param=HEADER)
+        hints = Hints(value, body.latency_s, HEADER)
+    if hints.priority > ceiling:
+        vllm = hints.source == "priority"  # said the other way round: lower first
+        said, limit = (-hints.priority, f", i.e. priority >= {-ceiling}") if vllm else (hints.priority, "")
+        raise OpenAIError(400, f"{hints.source} {said} is above what this API key may use (at most {ceiling} "
+                               f"served first{limit})", param=hints.source)
+    return hints

@@ -221,16 +221,17 @@ def bench_kernels(smol_cfg, p: dict) -> tuple[str, list[dict]]:
 # --- peer baseline: Hugging Face transformers on the same GGUF ---------------------------------
 
 class HFModel:
-    """transformers' Llama on the GGUF moorage loads, float32, SDPA; greedy one step at a time."""
+    """transformers on the GGUF moorage loads (SmolLM2 unless `path`), in `dtype`, SDPA; greedy one step
+    at a time."""
 
-    def __init__(self):
+    def __init__(self, path=None, dtype: torch.dtype = torch.float32):
         import transformers
         from transformers import AutoModelForCausalLM
 
-        path = smollm2_gguf_path()
+        path = path or smollm2_gguf_path()
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          **{dtype_kw: torch.float32}).eval()
+                                                          **{dtype_kw: dtype}).eval()
         self.version = transformers.__version__
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5

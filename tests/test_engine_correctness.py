@@ -250,3 +250,19 @@ def test_pins_never_stall_a_running_chunked_prefill(tiny):
     assert head.is_finished and not engine.has_unfinished()
     assert head.output_ids == scratch(tiny, _long_prompt(tiny, 300), params).output_ids
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_runs_the_same_after_its_model_lets_go_of_the_loaded_weights(dtype):
+    """What prefill and decode do once their engine is built (LoadedModel.release_weights): one copy of the
+    weights stays resident, and the engine's output does not change."""
+    from shared.engine.models import load_model
+
+    loaded = load_model("tiny", max_context=512)
+    prompt = loaded.tokenizer.encode(QUESTION_1)
+    before = scratch(loaded, prompt, dtype=dtype).output_ids
+    engine = Engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False, dtype=dtype))
+    loaded.release_weights()
+    assert loaded.weights == {}
+    [seq] = engine.generate([prompt], GREEDY)
+    assert seq.output_ids == before

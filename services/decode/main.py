@@ -225,6 +225,7 @@ async def serve(ctx: ServiceContext) -> None:
     cfg = ctx.config
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
     engine = Engine(loaded, cfg.engine)
+    loaded.release_weights()  # the engine holds its own copy
     transport = cfg.transfer.make_transport()
     slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport, engine.pages[0].device)
     faults = LandingFaults.from_env()  # off unless a test sets MOORAGE_FAULT_CORRUPT_LANDING

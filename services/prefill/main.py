@@ -366,6 +366,7 @@ async def serve(ctx: ServiceContext) -> None:
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
     events = KVEventPublisher(ctx.bus, ctx.instance)
     engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
+    loaded.release_weights()  # the engine holds its own copy
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
     direct = DirectSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer,

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
+import numpy as np
 import pytest
+import torch
 from gguf import TokenType
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.hf_loader import load_hf_dir
 from shared.engine.models import load_model
+from shared.engine.rope import RopeScaling
 from shared.engine.sampling import SamplingParams
 from tests import random_oracle as oracle
 from tests.test_loaders import write_gguf
@@ -112,6 +116,45 @@ def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path, tokenizer_files):
     path = write_gguf(tmp_path / "m.gguf", config, weights, arch="qwen2", vocab=vocab, pre="deepseek-llm")
     with pytest.raises(ValueError, match="unsupported BPE pre-tokenizer 'deepseek-llm'"):
         load_model(str(path))
+
+
+def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors)
+    writes for a llama3 rope_scaling, transcribed: a divisor per frequency."""
+    base = rope["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_a_llama_3_1_gguf_with_rope_freqs_equals_transformers(tmp_path):
+    """Llama 3.1's llama3 RoPE scaling as GGUF files carry it (a rope_freqs tensor, not config keys)."""
+    model = oracle.build_hf_model("llama31-small")
+    config, weights = load_hf_dir(oracle.save_hf_model(model, tmp_path / "hf"))
+    rope = oracle.SHAPES["llama31-small"]["rope_parameters"]
+    factors = llama_cpp_rope_factors(rope, config.head_dim)
+    plain = dataclasses.replace(config, rope_scaling=RopeScaling())  # the GGUF's config keys: no scaling
+    path = write_gguf(tmp_path / "l31.gguf", plain, weights, extra={"rope_freqs.weight": factors})
+    loaded = load_model(str(path))
+    assert loaded.config.rope_scaling.type == "freq_factors"
+    engine = Engine(loaded, EngineConfig(num_blocks=128, kv_warm_ahead="0", max_batched_tokens=64))
+    prompts = oracle.prompts(oracle.SHAPES["llama31-small"]["vocab_size"], (9, 70))
+    want = oracle.hf_greedy(model, prompts, 16)
+    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [s.output_ids for s in seqs] == want
+    assert not np.allclose(factors, 1.0)  # the scaling is there to be honoured (dropping it: tests/test_random_oracle.py)
 
 
 _GGUF_ARCH = {"smollm2-small": "llama", "qwen2-small": "qwen2", "qwen3-small": "qwen3"}

@@ -111,10 +111,11 @@ def gpt2_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
 def write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], *,
                qtype: GGMLQuantizationType | None = None, permute: bool | None = None,
                with_vocab_size: bool = True, with_tokenizer: bool = True, arch: str = "llama",
-               vocab: tuple[list[str], list[int], list[str]] | None = None, pre: str | None = None) -> Path:
+               vocab: tuple[list[str], list[int], list[str]] | None = None, pre: str | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """Writes `weights` (our names, HF row order) the way llama.cpp's converter would: q/k rows permuted for
     llama only; Qwen 2's q/k/v biases and Qwen 3's q/k norms under their llama.cpp names. `vocab` (tokens,
-    types, merges) and `pre` replace the default GPT-2 style vocabulary."""
+    types, merges) and `pre` replace the default GPT-2 style vocabulary; `extra` tensors go in as they are."""
     permute = arch == "llama" if permute is None else permute
     w = GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.block_count", config.num_layers)
@@ -158,6 +159,8 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
             w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
+    for gname, arr in (extra or {}).items():
+        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -333,7 +336,7 @@ def _write_with_extra_tensor(path: Path, extra_name: str, extra: np.ndarray) -> 
 
 @pytest.mark.parametrize("name,shape,named", [
     ("blk.0.attn_qkv.weight", (192, 64), "unexpected GGUF tensor"),
-    ("rope_freqs.weight", (8,), "RoPE frequency factors"),  # Llama 3.1's scaling, as llama.cpp writes it
+    ("rope_freqs.weight", (5,), "rope frequency factors: 5 for 8"),  # Llama 3.1's scaling, of the wrong size
     ("output.bias", (300,), "unexpected GGUF tensor")])
 def test_gguf_unexpected_tensor(tmp_path, name, shape, named):
     path = _write_with_extra_tensor(tmp_path / "extra.gguf", name, np.ones(shape, dtype=np.float32))

@@ -53,6 +53,7 @@ _LAYERS_BY_ARCH = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _QWEN3
                    "gemma3": _GEMMA3_LAYER_NAMES}
 _BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # tensors that also come as .bias
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # RoPE frequency factors (config, not a weight): read by read_config
 # Gemma 3 constants llama.cpp does not store: local layers' RoPE base and which layers are global
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_SLIDING_PATTERN = 6
@@ -75,11 +76,12 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, name: str, tensor_names: set[str]) -> RopeScaling:
-    """llama.cpp's rope.scaling.* keys; Llama 3.1's scaling arrives as a rope_freqs tensor instead."""
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"{name}: RoPE frequency factors (rope_freqs.weight, Llama 3.1's llama3 scaling as "
-                         "llama.cpp stores it) are not implemented for GGUF; load the Hugging Face directory")
+def _rope_scaling(reader: GGUFReader, arch: str, name: str) -> RopeScaling:
+    """llama.cpp's rope.scaling.* keys; Llama 3.1's llama3 scaling arrives as a rope_freqs tensor instead (one
+    divisor per frequency, which llama.cpp's converter computed from the llama3 formula)."""
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        return RopeScaling(type="freq_factors", freq_factors=tuple(_tensor_to_numpy(freqs).reshape(-1).tolist()))
     rtype = _field(reader, f"{arch}.rope.scaling.type")
     if rtype in (None, "none"):
         return RopeScaling()
@@ -95,7 +97,7 @@ def read_config(reader: GGUFReader, name: str) -> ModelConfig:
     if arch not in _LAYERS_BY_ARCH:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (one of {', '.join(_LAYERS_BY_ARCH)})")
     tensor_names = {t.name for t in reader.tensors}
-    scaling = _rope_scaling(reader, arch, name, tensor_names)
+    scaling = _rope_scaling(reader, arch, name)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = () if eos is None else (int(eos),)
@@ -134,9 +136,11 @@ def _tensor_to_numpy(t) -> np.ndarray:
     return np.array(arr.reshape(shape), dtype=np.float32)  # owned, writable copy
 
 
-def gguf_weight_name(tensor: str, arch: str) -> str:
-    """Our name for a GGUF tensor ("blk.3.attn_q.weight" -> "layers.3.q_proj"); one this architecture does
-    not use raises, naming it."""
+def gguf_weight_name(tensor: str, arch: str) -> str | None:
+    """Our name for a GGUF tensor ("blk.3.attn_q.weight" -> "layers.3.q_proj"), None for rope_freqs (part of
+    the config); one this architecture does not use raises, naming it."""
+    if tensor == ROPE_FREQS and arch == "llama":
+        return None
     parts = tensor.split(".")
     if parts[0] == "blk":
         names, base = _LAYERS_BY_ARCH[arch], parts[2]
@@ -158,6 +162,8 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         ours = gguf_weight_name(t.name, config.arch)
+        if ours is None:
+            continue
         arr = _tensor_to_numpy(t)
         if config.arch == "llama" and ours.endswith((".q_proj", ".k_proj")):
             arr = unpermute_rope_rows(arr, config.num_heads if ours.endswith("q_proj") else config.num_kv_heads)

@@ -44,6 +44,9 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.arch!r} (one of {', '.join(ARCHITECTURES)})")
         if not self.explicit_head_dim and self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.rope_scaling.freq_factors and len(self.rope_scaling.freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope frequency factors: {len(self.rope_scaling.freq_factors)} for "
+                             f"{self.head_dim // 2} frequencies (head_dim {self.head_dim})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads (GQA)")
 

@@ -56,7 +56,8 @@ def _describe(config: ModelConfig, report: ModelReport) -> None:
     report.arch, report.layers, report.context = c.arch, c.num_layers, c.max_context
     report.heads = f"{c.num_heads}/{c.num_kv_heads} x {c.head_dim}"
     s = c.rope_scaling
-    report.rope = f"theta {c.rope_theta:g}" + ("" if s.type == "default" else f", {s.type} x{s.factor:g}") + (
+    scaled = {"default": "", "freq_factors": f", {len(s.freq_factors)} frequency factors (llama3 in GGUF)"}
+    report.rope = f"theta {c.rope_theta:g}" + scaled.get(s.type, f", {s.type} x{s.factor:g}") + (
         f" (local layers theta {c.rope_local_theta:g})" if c.rope_local_theta and c.sliding_window else "")
     windowed = sum(1 for i in range(c.num_layers) if c.layer_window(i))
     report.windows = f"{windowed} of {c.num_layers} layers over {c.sliding_window} tokens" if windowed else "none"
@@ -83,7 +84,7 @@ def _gguf(path: Path, name: str, report: ModelReport) -> ModelConfig:
 
     reader = GGUFReader(str(path))
     config = read_config(reader, name)
-    _check_names(config, [gguf_weight_name(t.name, config.arch) for t in reader.tensors])
+    _check_names(config, [n for t in reader.tensors if (n := gguf_weight_name(t.name, config.arch)) is not None])
     report.stored_dtypes = dict(Counter(t.tensor_type.name for t in reader.tensors))
     report.parameters = sum(int(t.n_elements) for t in reader.tensors)
     model = reader.fields.get("tokenizer.ggml.model")

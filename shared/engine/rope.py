@@ -5,7 +5,9 @@ Supported types, with the same formulas as transformers' `modeling_rope_utils`:
 - `default`: inv_freq_i = theta ** (-2i / d);
 - `linear`: every frequency divided by `factor` (positions interpolated);
 - `llama3`: Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between;
-- `yarn`: YaRN's ramp between interpolated and extrapolated frequencies, and cos/sin scaled by an attention factor.
+- `yarn`: YaRN's ramp between interpolated and extrapolated frequencies, and cos/sin scaled by an attention factor;
+- `freq_factors`: each frequency divided by its own factor, as llama.cpp stores Llama 3.1's llama3 scaling in a
+  GGUF (the `rope_freqs` tensor).
 
 Refused by name: `dynamic` (its frequencies change with the running sequence length, so KV written at one
 length disagrees with KV written at another: no prefix cache, pool or handoff could keep it), `longrope`
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,12 @@ class RopeScaling:
     mscale: float = 0.0               # yarn
     mscale_all_dim: float = 0.0       # yarn
     truncate: bool = True             # yarn: round the ramp's bounds outward
+    freq_factors: tuple[float, ...] = ()  # freq_factors: one divisor per frequency (head_dim / 2)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # JSON gives a list
+        if (self.type == "freq_factors") != bool(self.freq_factors) or any(not f > 0 for f in self.freq_factors):
+            raise ValueError("rope freq_factors: one positive factor per frequency, with type 'freq_factors' only")
         if self.type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {self.type!r} (one of {', '.join(ROPE_TYPES)})")
         if self.type != "default" and not self.factor > 0:
@@ -83,6 +89,10 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) 
         return base, 1.0
     if s.type == "linear":
         return base / s.factor, 1.0
+    if s.type == "freq_factors":
+        if len(s.freq_factors) != len(base):
+            raise ValueError(f"rope freq_factors: {len(s.freq_factors)} factors for {len(base)} frequencies")
+        return base / torch.tensor(s.freq_factors, dtype=torch.float64), 1.0
     if s.type == "llama3":
         low_wavelen = s.original_max_positions / s.low_freq_factor
         high_wavelen = s.original_max_positions / s.high_freq_factor

@@ -97,6 +97,10 @@ class Subjects:
     def cancel_all(self) -> str:
         return f"{self.prefix}.cancel.*"
 
+    @property
+    def session_close(self) -> str:
+        return f"{self.prefix}.session.close"
+
     def load(self, role: str, instance: str) -> str:
         return f"{self.prefix}.load.{role}.{instance}"
 

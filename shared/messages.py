@@ -314,6 +314,14 @@ class Cancel(Message):
     reason: str = ""
 
 
+@message("session_close")
+class SessionClose(Message):
+    """A client closed a session (DELETE /v1/sessions/{id}, or nvext.session_control on its last request):
+    every prefill frees the KV only that session used, on its device and in the pool."""
+    session_id: str
+    tenant: str = ""
+
+
 @message("load")
 class LoadReport(Message):
     instance: str

@@ -29,7 +29,8 @@ import pytest
 from shared.bus import Bus, BusConfig
 from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import ByteTokenizer
-from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, TokenChunk
+from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, SessionClose,
+                             TokenChunk)
 from shared.natsd import start_nats_server
 from shared.sockets import free_port
 from shared.tracing import read_spans
@@ -63,6 +64,7 @@ class FakeCluster:
         self.submits: list[tuple[str, PrefillSubmit, dict]] = []
         self.releases: list[Release] = []
         self.cancels: list[Cancel] = []
+        self.closes: list[SessionClose] = []
         self.gate_mode = "admit"     # admit | reject | nodecode | invalid | hold
         self.reporting = False
         self.ready = {"gate": True, "prefill": True, "decode": True}
@@ -96,6 +98,7 @@ class FakeCluster:
         await bus.subscribe(s.gate_admit, AdmitRequest, self._admit)
         await bus.subscribe(s.gate_release, Release, self._record(self.releases))
         await bus.subscribe(s.cancel_all, Cancel, self._record(self.cancels))
+        await bus.subscribe(s.session_close, SessionClose, self._record(self.closes))
         for name in self.PREFILLS:
             await bus.subscribe(s.prefill_submit(name), PrefillSubmit, self._submit_handler(name))
         self._spawn(self._report_loop())
@@ -425,6 +428,26 @@ def test_bad_or_disallowed_hints_are_a_400_naming_the_field(http, fake, extra_bo
     assert assert_openai_error(resp, 400)["param"] == param
     time.sleep(0.05)
     assert (len(fake.admits), len(fake.submits)) == before
+
+
+def test_a_session_is_closed_by_delete_or_by_its_last_request(client, http, fake):
+    r = http.delete("/v1/sessions/agent-7/sub-2")
+    assert r.status_code == 200 and r.json() == {"id": "agent-7/sub-2", "object": "session", "closed": True}
+    wait_for(lambda: any(m.session_id == "agent-7/sub-2" for m in fake.closes))
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=USER, max_tokens=2, extra_headers={"X-Session-ID": "sub-3"},
+        extra_body={"nvext": {"session_control": {"action": "close"}}})
+    assert raw.parse().choices[0].message.content
+    close = wait_for(lambda: next((m for m in fake.closes if m.session_id == "sub-3"), None))
+    assert close.tenant == ""
+    n = len(fake.closes)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, extra_headers={"X-Session-ID": "sub-4"},
+                                   extra_body={"nvext": {"session_control": {"action": "open"}}})
+    time.sleep(0.1)
+    assert len(fake.closes) == n  # "open" closes nothing
+    bad = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER,
+                                                  "nvext": {"session_control": {"action": "delete"}}})
+    assert assert_openai_error(bad, 400)["param"] == "nvext.session_control.action"
 
 
 def test_same_session_sticks_to_one_prefill(client, fake):

@@ -16,6 +16,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.prefill.direct import DirectSender
 from services.prefill.events import KVEventPublisher
 from services.prefill.handoff import HandoffFailed, HandoffSender
+from services.prefill.sessions import SessionIndex, SessionKV
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
@@ -23,7 +24,8 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
-from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport,
+from shared.hashing import chunk_hashes
+from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport, SessionClose,
                              PrefillSubmit, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
@@ -71,6 +73,8 @@ class PrefillService:
         self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
         self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
         self.pool = None  # PoolConnector when the shared pool is enabled
+        self.sessions = SessionIndex()  # the KV each session alone uses: freed when it is closed
+        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0, "session_objects_removed": 0}
         self.events = None  # KVEventPublisher: a "transferred" event after each handoff
         self.tasks: set[asyncio.Task] = set()
         self.log = ctx.log
@@ -94,7 +98,41 @@ class PrefillService:
             return Ack(msg.request_id, False, str(e))
         p = self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw))
         self._spawn(self._admit(p, params))  # ack now: a restore may take longer than the router waits
+        if msg.session_id:
+            self._spawn(self._record_session(msg))
         return Ack(msg.request_id, True)
+
+    async def _record_session(self, msg: PrefillSubmit) -> None:
+        """The session's latest prompt, as block hashes and chunk digests (hashed off the event loop)."""
+        ns = self.engine.kv_namespace(msg.tenant)
+        bm, chunk, pooled = self.engine.block_manager, self.engine.layout.chunk_tokens, self.pool is not None
+
+        def hashes() -> SessionKV:
+            return SessionKV(tuple(bm.block_hashes(msg.prompt_ids, ns.seed if msg.tenant else None)),
+                             tuple(chunk_hashes(msg.prompt_ids, ns.seed, chunk)) if pooled else ())
+        self.sessions.record((msg.tenant, msg.session_id), await asyncio.to_thread(hashes))
+
+    async def on_session_close(self, msg: SessionClose, raw) -> None:
+        """Free what only this session used: its blocks in the device prefix cache that no request holds, and
+        its chunks' pool objects (services/prefill/sessions.py says what "only" means)."""
+        closed = self.sessions.close((msg.tenant, msg.session_id))
+        if not closed.known:
+            return
+        dropped = await self.loop.call_now(lambda: self.engine.block_manager.drop_cached(closed.blocks))
+        removed = 0
+        if self.pool is not None and closed.chunks:
+            ns = self.engine.kv_namespace(msg.tenant)
+            keys = [k for d in closed.chunks for k in self.pool.keys(d, ns)]
+            try:
+                removed = sum(rc == 0 for rc in await asyncio.to_thread(self.pool.client.remove, keys, True))
+            except Exception as e:  # the pool's LRU takes them in time: nothing is wrong, only kept longer
+                self.log.warning("session close: pool objects not removed", session_id=msg.session_id, error=str(e))
+        t = self.session_totals
+        t["sessions_closed"] += 1
+        t["session_blocks_dropped"] += dropped
+        t["session_objects_removed"] += removed
+        self.log.info("session closed", session_id=msg.session_id, blocks_dropped=dropped, objects_removed=removed,
+                      exclusive_blocks=len(closed.blocks), exclusive_chunks=len(closed.chunks))
 
     async def _admit(self, p: Pending, params: SamplingParams) -> None:
         rid, prompt = p.submit.request_id, p.submit.prompt_ids
@@ -352,6 +390,7 @@ class PrefillService:
                           {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
                            "pool": dict(self.pool.counters) if self.pool else None,
+                           "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
                            "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})
 
     async def stop(self) -> None:
@@ -395,6 +434,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.prefill_submit(ctx.instance), PrefillSubmit, svc.on_submit, on_error=on_bad)
     await ctx.bus.subscribe(s.prefill_assign(ctx.instance), DecodeAssign, svc.on_assign)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
+    await ctx.bus.subscribe(s.session_close, SessionClose, svc.on_session_close)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
     await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     ctx.load_report = svc.load_report

@@ -66,6 +66,9 @@ def create_app(state: RouterState) -> HotRoutes:
     return HotRoutes(create_fastapi(state), state)
 
 
+MAX_SESSION_CHARS = 256
+
+
 def create_fastapi(state: RouterState) -> FastAPI:
     # FastAPI's own OpenTelemetry spans are off: they traced every GET /health and GET /metrics poll (a
     # quarter of all spans) and made each request a second trace beside router.request, which is the
@@ -118,6 +121,16 @@ def create_fastapi(state: RouterState) -> FastAPI:
             return JSONResponse({"input_tokens": count_tokens(state, body.model, conversation(body))})
         except OpenAIError as e:
             return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+
+    @app.delete("/v1/sessions/{session_id:path}")
+    async def close_session(request: Request, session_id: str) -> JSONResponse:
+        """Close a session (a subagent ended): every prefill frees the KV only it used, on its device and in
+        the pool (services/prefill/sessions.py). Idempotent; an unknown session frees nothing."""
+        tenant = authorize(state, request)
+        if not 1 <= len(session_id) <= MAX_SESSION_CHARS:
+            raise OpenAIError(400, f"session id must be 1-{MAX_SESSION_CHARS} characters", param="session_id")
+        await state.close_session(session_id, tenant)
+        return JSONResponse({"id": session_id, "object": "session", "closed": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -35,7 +35,7 @@ from services.router.tool_calls import ToolFormat, format_for
 from shared.bus import Bus, PayloadTooLarge
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign, MessageError, PrefillSubmit, Release,
-                             TokenChunk)
+                             SessionClose, TokenChunk)
 
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
 _ADMIT_SETTLE_S = 1.0  # a failed overlapped submit waits this long at most for its admit's answer (a gate
@@ -83,6 +83,12 @@ class RouterState:
         cap = self.settings.max_request_tokens
         return min(cap, self.max_context) if cap else self.max_context
 
+    async def close_session(self, session_id: str, tenant: str) -> None:
+        """Every prefill frees the KV only this session used; its turns no longer stick to one prefill."""
+        if self.picker.sticky is not None:
+            self.picker.sticky.sessions.pop(session_id, None)
+        await self.bus.publish(self.bus.subjects.session_close, SessionClose(session_id, tenant))
+
     def others(self, role: str, instance: str | None = None) -> list[str]:
         """Ready instances of `role` that reported recently, except `instance`."""
         return [v.instance for v in self.loads.fresh(role, self.clock()) if v.instance != instance]
@@ -124,6 +130,7 @@ class Job:
     tenant: str = ""  # the API key's tenant (router.api_key_tenants): salts the request's KV namespace
     priority: int = 0     # agent hints (services/router/hints.py), higher first
     latency_s: float = 0.0
+    close_session: bool = False  # nvext.session_control close: the session's KV is freed once this request ends
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class Generation:
         self.dispatch: Dispatch | None = None
         self.completion_tokens = 0
         self._finished = False
+        self.close_session: tuple[str, str] | None = None  # (tenant, session) to close once it ends
         self._defer_finish = False  # respond() finishes the request after sending the response
         self.outcome = Outcome()
 
@@ -128,6 +129,7 @@ class Generation:
                 self.session_id = job.session_id
                 self.log = self.log.bind(session_id=job.session_id)
                 self.span.set_attribute("session_id", job.session_id or "")
+            self.close_session = (job.tenant, job.session_id) if job.close_session and job.session_id else None
             self.span.add_event("prepared")
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
                                       "stream": prepared.parsed.stream,
@@ -320,3 +322,9 @@ class Generation:
             self.span.end()
             self.log.info("request done", status=status, finish=reason, duration_ms=round(elapsed * 1000, 1),
                           completion_tokens=self.completion_tokens, **({"usage": usage} if usage else {}))
+            if self.close_session is not None:  # nvext.session_control close: after the request, whatever its end
+                tenant, session = self.close_session
+                try:
+                    await self.state.close_session(session, tenant)
+                except Exception as e:  # the bus is down: the KV stays until LRU takes it
+                    self.log.warning("session close not sent", error=str(e))

@@ -27,14 +27,17 @@ class Hints:
     priority: int = 0          # higher first
     latency_s: float = 0.0     # more head start in the gate's queue
     source: str = "priority"   # the field the priority came from, named in errors
+    close_session: bool = False  # nvext.session_control.action == "close": free the session's KV after this request
 
 
 def from_body(body: Hinted) -> Hints:
     agent = body.nvext.agent_hints if body.nvext else None
+    control = body.nvext.session_control if body.nvext else None
+    close = control is not None and control.action == "close"
     latency = (agent.latency_sensitivity if agent else None) or 0.0
     if agent is not None and agent.priority is not None:
-        return Hints(agent.priority, latency, "nvext.agent_hints.priority")
-    return Hints(-body.priority if body.priority is not None else 0, latency)
+        return Hints(agent.priority, latency, "nvext.agent_hints.priority", close)
+    return Hints(-body.priority if body.priority is not None else 0, latency, close_session=close)
 
 
 def resolve(body: Hints, header: str | None, ceiling: int) -> Hints:
@@ -47,7 +50,7 @@ def resolve(body: Hints, header: str | None, ceiling: int) -> Hints:
             raise OpenAIError(400, f"{HEADER} must be an integer, got {header[:32]!r}", param=HEADER) from None
         if not MIN_PRIORITY <= value <= MAX_PRIORITY:
             raise OpenAIError(400, f"{HEADER} must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value}", param=HEADER)
-        hints = Hints(value, body.latency_s, HEADER)
+        hints = Hints(value, body.latency_s, HEADER, body.close_session)
     if hints.priority > ceiling:
         vllm = hints.source == "priority"  # said the other way round: lower first
         said, limit = (-hints.priority, f", i.e. priority >= {-ceiling}") if vllm else (hints.priority, "")

@@ -81,8 +81,14 @@ class AgentHints(_Lenient):
     osl: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # expected output length: validated, not yet used
 
 
+class SessionControl(_Lenient):
+    """Dynamo's nvext.session_control: `close` frees the session's KV once this request has ended."""
+    action: Literal["open", "close"]
+
+
 class NvExt(_Lenient):
     agent_hints: AgentHints | None = None
+    session_control: SessionControl | None = None
 
 
 class Hinted(_Lenient):

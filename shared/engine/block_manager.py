@@ -241,6 +241,22 @@ class BlockManager:
         self._emit(AllBlocksCleared())
         return dropped
 
+    def drop_cached(self, block_hashes: Iterable[bytes]) -> int:
+        """Forget these prefixes now (a closed session's): each indexed block no request holds becomes plain
+        free; a block in use stays as it is. Returns how many were dropped (one BlockRemoved for them)."""
+        dropped = []
+        for h in block_hashes:
+            b = self._index.get(h)
+            if b is None or self._ref[b] != 0:
+                continue
+            del self._cached_free[b], self._index[h]
+            self._hash[b] = self._tokens[b] = None
+            self._plain_free[b] = None
+            dropped.append(h)
+        if dropped:
+            self._emit(BlockRemoved(dropped))
+        return len(dropped)
+
     # ---- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         n = self._num_blocks

@@ -22,7 +22,7 @@ from gguf import TokenType
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.hf_loader import load_hf_dir
 from shared.engine.models import load_model
-from shared.engine.rope import RopeScaling
+from shared.engine.rope_scaling import RopeScaling
 from shared.engine.sampling import SamplingParams
 from tests import random_oracle as oracle
 from tests.test_loaders import write_gguf

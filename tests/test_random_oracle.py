@@ -13,7 +13,7 @@ import pytest
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.hf_loader import read_hf_config
 from shared.engine.model_config import ModelConfig
-from shared.engine.rope import RopeScaling
+from shared.engine.rope_scaling import RopeScaling
 from shared.engine.models import load_model
 from shared.engine.sampling import SamplingParams
 from tests import random_oracle as oracle

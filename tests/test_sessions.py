@@ -132,3 +132,31 @@ def test_closing_an_unknown_session_frees_nothing_and_a_bad_id_is_a_400(system):
     assert httpx.delete(base + "/v1/sessions/never-seen", timeout=30).status_code == 200
     r = httpx.delete(base + "/v1/sessions/" + "x" * 300, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+
+
+def test_closing_a_session_mid_request_loses_nothing_and_leaks_no_kv(system, tiny):
+    """A fault row of issue 30: the close arrives while the session's request is still computing. The blocks
+    that request holds are not freed under it; it answers as from scratch; afterwards every block is free."""
+    import threading
+
+    base, url = system
+    prompt = _tokens(7, 1800)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(_complete(base, prompt, "sess-mid")))
+    t.start()
+    _prefill(url, lambda d: d["sessions"]["recorded"] >= 3)  # its prompt is recorded: the close finds it
+    assert httpx.delete(base + "/v1/sessions/sess-mid", timeout=30).status_code == 200
+    t.join(120)
+    engine = Engine(tiny, EngineConfig(num_blocks=256, enable_prefix_cache=False))
+    want = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_text
+    assert out["choices"][0]["text"] == want
+    deadline, held = time.monotonic() + 30, None
+    while time.monotonic() < deadline:  # load reports come every second: one from after the request ended
+        reports = asyncio.run(latest_reports(url, enough=lambda seen: {r.role for r in seen.values()} >= {"prefill",
+                                                                                                          "decode"}))
+        held = {r.instance: (r.running, r.capacity_tokens - r.free_tokens) for r in reports.values()
+                if r.role in ("prefill", "decode")}
+        if all(v == (0, 0) for v in held.values()):
+            break
+        time.sleep(0.5)
+    assert all(v == (0, 0) for v in held.values()), held

@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shared.engine.model_config import ModelConfig
-from shared.engine.rope import RopeScaling
+from shared.engine.rope_scaling import RopeScaling
 
 if TYPE_CHECKING:  # torch is needed for weights only, not for configs and tokenizers
     import torch

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.engine.model_config import ModelConfig
-from shared.engine.rope import RopeScaling, scaling_from_hf
+from shared.engine.rope_scaling import RopeScaling, scaling_from_hf
 
 _PREFIX = "model."
 

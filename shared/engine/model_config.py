@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.rope import RopeScaling
+from shared.engine.rope_scaling import RopeScaling
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 

@@ -46,6 +46,10 @@ def test_the_header_wins_and_the_ceiling_is_the_tenant_s():
         resolve(Hints(2), None, 1)
     with pytest.raises(OpenAIError, match="must be an integer"):
         resolve(body, "2.5", 10)
+    with pytest.raises(OpenAIError, match="at most 2 s") as e:  # a ceiling of 1 allows 2 s of head start
+        resolve(Hints(0, 3.0), None, 1)
+    assert e.value.param == "nvext.agent_hints.latency_sensitivity"
+    assert resolve(Hints(0, 2.0), None, 1) == Hints(0, 2.0)
 
 
 def test_ceilings_are_configured_per_tenant_and_checked():

@@ -420,6 +420,7 @@ def test_agent_hints_reach_the_gate_and_the_prefill(client, fake, extra_body, he
     ({}, {"x-request-priority": "high"}, "x-request-priority"),
     ({"priority": "high"}, {}, "priority"),
     ({"nvext": {"agent_hints": {"latency_sensitivity": -1}}}, {}, "nvext.agent_hints.latency_sensitivity"),
+    ({"nvext": {"agent_hints": {"latency_sensitivity": 21}}}, {}, "nvext.agent_hints.latency_sensitivity"),  # > 10 x 2 s
     ({"nvext": {"agent_hints": {"osl": 0}}}, {}, "nvext.agent_hints.osl"),
 ])
 def test_bad_or_disallowed_hints_are_a_400_naming_the_field(http, fake, extra_body, headers, param):

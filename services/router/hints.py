@@ -6,7 +6,10 @@
 - the header `x-request-priority`: higher first, as Dynamo's.
 
 One priority is kept, higher first, from the first of: the header, `nvext.agent_hints.priority`, the body's
-`priority`. It acts in the gate's queue (a head start of priority x gate.priority_step_s) and in prefill's
+`priority`. `latency_sensitivity` is bounded by the same ceiling: at most LATENCY_S_PER_LEVEL seconds per level
+of it (none for a key whose ceiling is 0 or less), so it cannot buy more head start than the priority could.
+`nvext.session_control` with `action: close` frees the session's KV once the request ended (prefill's
+services/prefill/sessions.py). It acts in the gate's queue (a head start of priority x gate.priority_step_s) and in prefill's
 srpf order (a weight on the tokens left to compute, bounded: no starvation). A tenant may use priorities up
 to its ceiling (router.max_priority, or router.tenant_max_priority[tenant]); above it, or malformed, is a 400
 naming the field. Lower priorities are always allowed (down to MIN_PRIORITY).
@@ -20,6 +23,7 @@ from services.router.schemas import OpenAIError, Hinted
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # what any field may say; the tenant's ceiling is lower
 HEADER = "x-request-priority"
+LATENCY_S_PER_LEVEL = 2.0  # latency_sensitivity a priority level allows (gate.priority_step_s's default)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ def resolve(body: Hints, header: str | None, ceiling: int) -> Hints:
         if not MIN_PRIORITY <= value <= MAX_PRIORITY:
             raise OpenAIError(400, f"{HEADER} must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value}", param=HEADER)
         hints = Hints(value, body.latency_s, HEADER, body.close_session)
+    allowed = max(0, ceiling) * LATENCY_S_PER_LEVEL
+    if hints.latency_s > allowed:
+        raise OpenAIError(400, f"nvext.agent_hints.latency_sensitivity {hints.latency_s:g} is above what this API "
+                               f"key may use (at most {allowed:g} s)", param="nvext.agent_hints.latency_sensitivity")
     if hints.priority > ceiling:
         vllm = hints.source == "priority"  # said the other way round: lower first
         said, limit = (-hints.priority, f", i.e. priority >= {-ceiling}") if vllm else (hints.priority, "")

@@ -70,18 +70,19 @@ def _with_vocab(config, weights, vocab):
     return config, {**weights, "embed_tokens": weights["embed_tokens"][:n]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory):
-    """One GGUF per pre-tokenizer: the trained vocabulary on a one-layer Qwen 2 shaped model."""
+def _qwen2_files(tmp_path_factory, pres) -> dict:
+    """One GGUF per pre-tokenizer name: the trained vocabulary on a small Qwen 2 shaped model."""
     vocab = trained_vocab()
     model = oracle.build_hf_model("qwen2-small")
     config, weights = load_hf_dir(oracle.save_hf_model(model, tmp_path_factory.mktemp("hf")))
     config, weights = _with_vocab(config, weights, vocab)
-    files = {}
-    for pre in PRE_TOKENIZERS:
-        d = tmp_path_factory.mktemp(pre)
-        files[pre] = write_gguf(d / "m.gguf", config, weights, arch="qwen2", vocab=vocab, pre=pre)
-    return files
+    return {pre: write_gguf(tmp_path_factory.mktemp(pre) / "m.gguf", config, weights, arch="qwen2", vocab=vocab,
+                            pre=pre) for pre in pres}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    return _qwen2_files(tmp_path_factory, PRE_TOKENIZERS)
 
 
 def _theirs(path):
@@ -108,12 +109,8 @@ def test_the_corpus_tells_the_pre_tokenizers_apart(tokenizer_files):
             assert a == b or ids[a] != ids[b], (a, b)
 
 
-def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path, tokenizer_files):
-    vocab = trained_vocab()
-    model = oracle.build_hf_model("qwen2-small")
-    config, weights = load_hf_dir(oracle.save_hf_model(model, tmp_path / "hf"))
-    config, weights = _with_vocab(config, weights, vocab)
-    path = write_gguf(tmp_path / "m.gguf", config, weights, arch="qwen2", vocab=vocab, pre="deepseek-llm")
+def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path_factory):
+    [path] = _qwen2_files(tmp_path_factory, ["deepseek-llm"]).values()
     with pytest.raises(ValueError, match="unsupported BPE pre-tokenizer 'deepseek-llm'"):
         load_model(str(path))
 

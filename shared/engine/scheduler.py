@@ -124,11 +124,12 @@ class Scheduler:
                 break
             if lead is not None and seq.priority < lead:
                 continue
+            limit = cap if seq.priority <= 0 else budget  # a priority prompt is not capped per step
             if seq.status is SeqStatus.WAITING:
                 if len(self.running) >= self.max_num_seqs:
                     continue
                 self._admit_prefix(seq)
-                n = min(seq.num_uncomputed, budget, cap if seq.priority <= 0 else budget)
+                n = min(seq.num_uncomputed, budget, limit)  # after _admit_prefix: a hit shortens it
                 if not self._try_grow(seq, n):
                     self._drop_blocks(seq)  # retry later, when blocks are free; shorter ones may fit...
                     if now - seq.arrival_ns >= self.policy.aging_s * 1e9:
@@ -140,7 +141,7 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
             else:
-                n = min(seq.num_uncomputed, budget, cap if seq.priority <= 0 else budget)
+                n = min(seq.num_uncomputed, budget, limit)
                 if not self._try_grow(seq, n):
                     continue
             batch.seqs.append(seq), batch.num_tokens.append(n)

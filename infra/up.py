@@ -303,7 +303,8 @@ class Launcher:
                 pass
             self.supervisor.failed_event.wait(0.3)  # wakes at once if a process exits
         raise TimeoutError(f"not ready after {self.cfg.up.ready_timeout_s:.0f} s (not reported ready: "
-                           f"{', '.join(sorted(missing)) or '-'}); see {self.run_dir}/*.log")
+                           f"{', '.join(sorted(missing)) or '-'}); see {self.run_dir}/*.log"
+                           + "".join(map(self._last_words, sorted(missing) + [self.cfg.router.instance])))
 
     def _last_words(self, instance: str, lines: int = 15) -> str:
         """How `instance` ended and the last lines of its log, for an error that names it."""
@@ -314,7 +315,7 @@ class Launcher:
                 tail = f.read().decode(errors="replace").splitlines()[-lines:]
         except OSError as e:
             tail = [f"(no log: {e.strerror})"]
-        return f"\n--- {instance} ({child.last_exit if child else '?'}), last lines of its log:\n" + "\n".join(tail)
+        return f"\n--- {instance} ({(child.last_exit or 'running') if child else '?'}), last lines of its log:\n" + "\n".join(tail)
 
     def stop(self, timeout: float = 15.0) -> None:
         announcer, self.announcer = self.announcer, None  # a stop we ask for is not announced (services say

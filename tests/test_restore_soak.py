@@ -45,12 +45,15 @@ def test_removed_or_corrupted_chunks_are_never_served(soak):
     assert cut_turns and all(r["ok"] for r in cut_turns)
 
 
-def test_corrupted_object_is_a_verify_failure_then_a_recompute(soak):
-    """Garbage under a chunk's key: the prefill's checksum rejects it (its verify_failures counter
-    goes up), the chunk is computed instead, and the output is still the from-scratch one."""
+def test_corrupted_objects_are_never_restored_and_good_ones_always_verify(soak):
+    """Garbage under a first chunk's key: a turn that misses the device cache restores nothing from the
+    pool and still answers as from scratch; and no good object ever fails its checksum (a verify failure
+    for each corruption at most). Whether a corrupted turn reaches the pool at all is the churn's timing
+    (the device cache may still hold the chunk, or a small store may have evicted it first: a CI run
+    saw none do), so the failure counter going up is proven where it is deterministic:
+    tests/test_pool_e2e.py::test_corrupted_object_is_detected_and_recomputed."""
     corrupted = [r for r in soak["records"] if r.get("bad_chunk") == 0]
     assert corrupted and all(r["ok"] and r["store"] == 0 for r in corrupted if r["device"] == 0)
-    assert soak["counts"]["verify_failures"] >= 1
     assert soak["counts"]["verify_failures"] <= soak["counts"]["corruptions"]
 
 

@@ -80,6 +80,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 def system(tmp_path_factory):
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=["up.model=tiny", "up.port=0", f"up.nats_url={url}",
+                                               "up.kv_memory=256MiB", "up.store_bytes=67108864",
                                                f"up.run_dir={tmp_path_factory.mktemp('sessions')}"], env={})
         with launched(cfg) as (_, base):
             yield base, url

@@ -192,6 +192,19 @@ def test_a_service_that_dies_starting_is_named_with_the_end_of_its_log(tmp_path)
     assert f"cannot listen on 127.0.0.1:{port}" in message, message
 
 
+def test_a_start_that_times_out_names_who_is_missing_with_the_end_of_their_logs(tmp_path):
+    """Not ready in time (here: a 1 s limit no engine meets): the error lists the instances the router has
+    not seen ready, with each one's last log lines and the router's, since CI keeps no run directory."""
+    cfg = load_config(UpConfig, overrides=[
+        "up.model=tiny", "up.port=0", f"up.run_dir={tmp_path / 'run'}", "up.pool=false",
+        "up.kv_memory=256MiB", "up.ready_timeout_s=1"], env={})
+    with pytest.raises(TimeoutError) as failed, launched(cfg):
+        pass
+    message = str(failed.value)
+    assert "not ready after 1 s (not reported ready: " in message and "prefill-0" in message, message
+    assert "--- prefill-0 (running), last lines of its log:" in message and "--- router-0 (" in message
+
+
 # --- the real system --------------------------------------------------------------------------------
 
 def complete(base: str, timeout: float = 5.0) -> bool:

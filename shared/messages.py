@@ -153,6 +153,7 @@ class AdmitRequest(Message):
     #                        instance reports another boot (it was restarted), the gate drops what this one held
     priority: int = 0      # agent hint, higher first: a head start of priority x gate.priority_step_s in the queue
     latency_s: float = 0.0  # agent hint (latency_sensitivity): seconds more of head start
+    osl: int = 0           # agent hint: expected output tokens (0: unknown); the gate reserves min(max_tokens, osl x osl_margin)
 
 
 @message("admit_reply")
@@ -291,6 +292,7 @@ class HandoffDone(Message):
     token_sources: dict                                # {"device": n, "store": n, "computed": n}
     handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
     router: str = ""                                   # the router instance the request came from (its Holdings)
+    priority: int = 0                                  # agent hint, higher first: decode preempts lower priorities first
     pages: list = field(default_factory=list)          # direct handoff: [[first, count, offset, nbytes, crc32c]]
     #   per write (byte range [offset, offset + nbytes) of the granted blocks first..first+count-1, which
     #   are consecutive in decode's pages); empty: the KV came through landing slots (SlotsFilled)

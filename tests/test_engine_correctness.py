@@ -102,6 +102,27 @@ def test_preemption_recomputes_to_same_tokens(tiny):
     assert engine.block_manager.num_free_blocks == 40
 
 
+def test_preemption_takes_the_lowest_priority_first(tiny):
+    """Decode's eviction order (agent hints, issue 30): out of KV, the lowest priority loses its blocks first,
+    not simply the newest. Two requests of priority 0 run, then one of priority 5 joins (the newest): it is
+    never preempted, the newer priority-0 one is (the old rule took the newest), and every output is still
+    the scratch one."""
+    prompts = [tiny.tokenizer.encode(f"session {i} " * 20) for i in range(3)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    engine = Engine(tiny, EngineConfig(num_blocks=42))  # 3 prompts of 200 fit (39 blocks); 3 x 260 do not
+    seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts[:2])]
+    for _ in range(4):
+        engine.step()
+    seqs.append(engine.add_request("r2", prompts[2], params, priority=5))
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.num_preemptions for s in seqs] == [0, 1, 0]
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_ids == scratch(tiny, prompt, params).output_ids
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == 42
+
+
 def _long_prompt(loaded, n_tokens):
     text = " ".join(f"step {i}: call tool read_file on src/module_{i % 13}.py and summarise it." for i in range(400))
     ids = loaded.tokenizer.encode(text)

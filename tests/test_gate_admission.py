@@ -135,6 +135,22 @@ def test_a_high_priority_request_that_fits_is_admitted_past_a_waiting_head():
     assert isinstance(g.admit("meek", 10, 0, now=2, latency_s=0.5), Wait)    # due at 1.5: behind head
 
 
+def test_an_expected_output_length_reserves_less_and_validity_stays_on_max_tokens():
+    g = gate(budget_fraction=1.0, osl_margin=1.25)
+    g.report("d0", 1000, 1000, True, now=0)
+    assert g.admit("said", 100, 800, now=0, osl=80) == Admitted("said", "d0", 200)       # 100 + 80 x 1.25
+    assert g.admit("more", 100, 50, now=0, osl=80) == Admitted("more", "d0", 150)        # never above max_tokens
+    assert isinstance(g.admit("unsaid", 100, 800, now=0), Wait)                          # 900 does not fit in 650
+    assert isinstance(g.admit("huge", 100, 950, now=0, osl=1), Invalid)                  # 1050 could never fit
+    g.check_integrity()
+    assert g.instances["d0"].reserved == 350
+    off = gate(budget_fraction=1.0, osl_margin=0)
+    off.report("d0", 1000, 1000, True, now=0)
+    assert off.admit("said", 100, 800, now=0, osl=80) == Admitted("said", "d0", 900)
+    with pytest.raises(ConfigError, match="osl_margin"):
+        GateSettings(osl_margin=0.5)
+
+
 def test_expiry_counts_the_tokens_due_before_it():
     g = gate(budget_fraction=1.0, admission_wait_s=5.0, retry_after_max_s=1000.0)
     g.report("d0", 1000, 1000, True, now=0)
@@ -328,7 +344,7 @@ def test_seeded_random_stress():
             rid = f"r{step}"
             out = g.admit(rid, rng.randint(1, 3000), rng.randint(0, 1000), now,
                           rng.choice(names + [None, None, None]), priority=rng.choice([0, 0, 0, -2, 3]),
-                          latency_s=rng.choice([0.0, 0.0, 1.0]))
+                          latency_s=rng.choice([0.0, 0.0, 1.0]), osl=rng.choice([0, 0, 1, 200]))
             if isinstance(out, Admitted):
                 admitted(out)
             elif isinstance(out, Invalid):

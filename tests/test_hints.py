@@ -30,6 +30,7 @@ def test_every_api_reads_the_same_hints(api):
     assert parsed(priority=-3) == Hints(3, 0.0, "priority")
     assert parsed(nvext={"agent_hints": {"priority": 2, "latency_sensitivity": 0.5}}) == \
         Hints(2, 0.5, "nvext.agent_hints.priority")
+    assert parsed(priority=1, nvext={"agent_hints": {"osl": 300}}) == Hints(-1, 0.0, "priority", osl=300)
     with pytest.raises(OpenAIError) as e:
         parsed(nvext={"agent_hints": {"priority": 1001}})
     assert e.value.param == "nvext.agent_hints.priority"
@@ -39,6 +40,8 @@ def test_the_header_wins_and_the_ceiling_is_the_tenant_s():
     body = Hints(2, 1.0, "nvext.agent_hints.priority")
     assert resolve(body, None, 10) == body
     assert resolve(body, " 7 ", 10) == Hints(7, 1.0, "x-request-priority")
+    assert resolve(Hints(0, 0.0, osl=40, close_session=True), "1", 10) == \
+        Hints(1, 0.0, "x-request-priority", True, 40)  # the header replaces the priority only
     assert resolve(Hints(-50), None, 0) == Hints(-50)        # lower is always allowed
     with pytest.raises(OpenAIError, match="at most 1 served first"):
         resolve(body, None, 1)

@@ -399,18 +399,19 @@ def test_chat_parameters_reach_the_prefill(client, fake):
 
 
 @pytest.mark.parametrize("extra_body, headers, want", [
-    ({}, {}, (0, 0.0)),
-    ({"priority": -2}, {}, (2, 0.0)),                                            # vLLM's: lower first
-    ({"nvext": {"agent_hints": {"priority": 3, "latency_sensitivity": 1.5, "osl": 64}}}, {}, (3, 1.5)),  # Dynamo's
-    ({"priority": 5, "nvext": {"agent_hints": {"priority": 1}}}, {}, (1, 0.0)),  # Dynamo's over vLLM's
-    ({"nvext": {"agent_hints": {"priority": 1, "latency_sensitivity": 2.0}}}, {"x-request-priority": "-4"}, (-4, 2.0)),
+    ({}, {}, (0, 0.0, 0)),
+    ({"priority": -2}, {}, (2, 0.0, 0)),                                            # vLLM's: lower first
+    ({"nvext": {"agent_hints": {"priority": 3, "latency_sensitivity": 1.5, "osl": 64}}}, {}, (3, 1.5, 64)),  # Dynamo's
+    ({"priority": 5, "nvext": {"agent_hints": {"priority": 1}}}, {}, (1, 0.0, 0)),  # Dynamo's over vLLM's
+    ({"nvext": {"agent_hints": {"priority": 1, "latency_sensitivity": 2.0, "osl": 9}}}, {"x-request-priority": "-4"},
+     (-4, 2.0, 9)),
 ])
 def test_agent_hints_reach_the_gate_and_the_prefill(client, fake, extra_body, headers, want):
     raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=2,
                                                            extra_body=extra_body, extra_headers=headers)
     rid = raw.headers["x-request-id"]
     admit, (_, submit, _) = wait_for(lambda: fake.admit_of(rid)), fake.submit_of(rid)
-    assert (admit.priority, admit.latency_s) == want and submit.priority == want[0]
+    assert (admit.priority, admit.latency_s, admit.osl) == want and submit.priority == want[0]
 
 
 @pytest.mark.parametrize("extra_body, headers, param", [
@@ -422,6 +423,7 @@ def test_agent_hints_reach_the_gate_and_the_prefill(client, fake, extra_body, he
     ({"nvext": {"agent_hints": {"latency_sensitivity": -1}}}, {}, "nvext.agent_hints.latency_sensitivity"),
     ({"nvext": {"agent_hints": {"latency_sensitivity": 21}}}, {}, "nvext.agent_hints.latency_sensitivity"),  # > 10 x 2 s
     ({"nvext": {"agent_hints": {"osl": 0}}}, {}, "nvext.agent_hints.osl"),
+    ({"nvext": {"agent_hints": {"osl": "long"}}}, {}, "nvext.agent_hints.osl"),
 ])
 def test_bad_or_disallowed_hints_are_a_400_naming_the_field(http, fake, extra_body, headers, param):
     before = (len(fake.admits), len(fake.submits))

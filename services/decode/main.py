@@ -114,7 +114,7 @@ class DecodeService:
         rid = msg.request_id
         try:
             await self.loop.call(lambda: self.engine.adopt_prefilled(
-                rid, msg.prompt_ids, msg.output_ids, params, blocks, msg.shown_text))
+                rid, msg.prompt_ids, msg.output_ids, params, blocks, msg.shown_text, msg.priority))
         except (ValueError, TypeError, EngineLoopDead) as e:
             if not isinstance(e, EngineLoopDead):
                 await self.loop.call(lambda: self.engine.block_manager.release(blocks))

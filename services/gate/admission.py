@@ -19,6 +19,9 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   admits from the head while the head fits, and a new request is admitted at once only when nobody is
   waiting or it is due before the head. A big request at the head is never overtaken for ever: a
   later one overtakes it only by its bounded head start (the router caps priorities per tenant).
+- An expected output length (agent hint `osl`) reserves `min(max_tokens, osl x osl_margin)` output
+  tokens instead of max_tokens, so more requests fit; validity is still judged on max_tokens. One that
+  writes more than it said is not cut: its KV grows on decode, whose reported free count we believe.
 - `expire` rejects requests that waited `admission_wait_s` and drops reservations older than
   `reservation_ttl_s` (their router died). What a router process holds (reservations, waiting admits)
   is dropped once it has sent no load report for `router_timeout_s` (counted "router_gone"), or at
@@ -44,6 +47,7 @@ Pure bookkeeping: no clock, no I/O. Every call takes `now` (monotonic seconds) w
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -126,10 +130,11 @@ class Waiting:
     enqueued_at: float
     owner: str = ""       # the router process (boot id) that asked
     head_start_s: float = 0.0  # from its priority and latency hints: served as if it had arrived this much earlier
+    output_tokens: int = -1    # output tokens reserved (fewer than max_tokens from an osl hint); -1: max_tokens
 
     @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        return self.prompt_tokens + (self.max_tokens if self.output_tokens < 0 else self.output_tokens)
 
     @property
     def due(self) -> tuple[float, float]:
@@ -239,6 +244,13 @@ class Admission:
                     f"{max(live)} tokens")
         return None
 
+    def output_reserve(self, max_tokens: int, osl: int) -> int:
+        """Output tokens to reserve: max_tokens, or the expected output length (osl) x osl_margin when that
+        is less. A request that outgrows it is not cut: decode's own free count (reported) is believed."""
+        if osl <= 0 or not self.settings.osl_margin:
+            return max_tokens
+        return min(max_tokens, math.ceil(osl * self.settings.osl_margin))
+
     def head_start(self, priority: int, latency_s: float = 0.0) -> float:
         return priority * self.settings.priority_step_s + max(0.0, latency_s)
 
@@ -247,9 +259,10 @@ class Admission:
 
     def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
               instance: str | None = None, owner: str = "", priority: int = 0,
-              latency_s: float = 0.0) -> Admitted | Invalid | Rejected | Wait:
+              latency_s: float = 0.0, osl: int = 0) -> Admitted | Invalid | Rejected | Wait:
         """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
-        reserved or waiting returns its current state and reserves nothing more."""
+        reserved or waiting returns its current state and reserves nothing more. Validity is judged on
+        max_tokens; the reservation takes the osl hint into account (output_reserve)."""
         if self._since is None:
             self._since = now
         if request_id in self.reservations:
@@ -264,7 +277,8 @@ class Admission:
         if reason is not None:
             self.counters["invalid"] += 1
             return Invalid(request_id, reason)
-        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner, self.head_start(priority, latency_s))
+        w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner, self.head_start(priority, latency_s),
+                    self.output_reserve(max_tokens, osl))
         unavailable = self._unavailable_reason(w.tokens, now)
         if unavailable is not None:
             self.counters["rejected"] += 1

@@ -20,6 +20,7 @@ class GateSettings:
     retry_after_max_s: float = 30.0     # most Retry-After sent (also when nothing was released lately)
     release_window_s: float = 60.0      # releases in this window give the rate the queue drains at
     holdings_grace_s: float = 5.0       # a reservation a router's Holdings no longer lists is dropped once this old
+    osl_margin: float = 1.25            # a request with an expected output length (agent hint nvext.agent_hints.osl) reserves osl x this, up to max_tokens; 0: reserve max_tokens regardless
     priority_step_s: float = 2.0        # queue head start per priority level (agent hints): priority 5 is served as if it had waited 10 s more
     router_timeout_s: float = 30.0      # stall backstop: a router process with no load report this long is gone, what it holds is dropped and its requests cancelled (an announced exit does that at once; 0: off; keep it well above the routers' load_interval_s)
 
@@ -30,6 +31,8 @@ class GateSettings:
                      "priority_step_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"gate.{name} must not be negative, got {getattr(self, name)}")
+        if self.osl_margin != 0 and self.osl_margin < 1.0:
+            raise ConfigError(f"gate.osl_margin must be 0 (off) or at least 1, got {self.osl_margin}")
         if self.retry_after_max_s < self.retry_after_s:
             raise ConfigError(f"gate.retry_after_max_s ({self.retry_after_max_s}) must be >= gate.retry_after_s "
                               f"({self.retry_after_s})")

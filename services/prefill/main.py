@@ -323,7 +323,7 @@ class PrefillService:
         early, p.grant = p.grant, None  # this handoff's now: direct.send uses it, or the finally gives it back
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
-                           router=p.submit.router)
+                           router=p.submit.router, priority=p.submit.priority)
         span = None  # kv.handoff: from when the decode instance is known
         transferred = None  # the decode the KV went to, once the handoff succeeded
         try:

@@ -130,6 +130,7 @@ class Job:
     tenant: str = ""  # the API key's tenant (router.api_key_tenants): salts the request's KV namespace
     priority: int = 0     # agent hints (services/router/hints.py), higher first
     latency_s: float = 0.0
+    osl: int = 0          # expected output tokens (0: unknown): the gate's reservation
     close_session: bool = False  # nvext.session_control close: the session's KV is freed once this request ends
 
 
@@ -262,7 +263,7 @@ class Dispatch:
             try:
                 reply = await self._unless_aborted(self.bus.request(self.bus.subjects.gate_admit, AdmitRequest(
                     rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot,
-                    priority=job.priority, latency_s=job.latency_s),
+                    priority=job.priority, latency_s=job.latency_s, osl=job.osl),
                     AdmitReply, timeout=s.admission_timeout_s))
             except (*_BUS_ERRORS, MessageError) as e:
                 self.state.metrics.admission_rejections.labels("timeout").inc()

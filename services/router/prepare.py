@@ -157,7 +157,7 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
     session = session_id or parsed.session_hint or conversation_key(conv)
     hints = resolve(parsed.hints, request.headers.get(HEADER), state.settings.priority_ceiling(tenant))
     job = Job(request_id, session, prompt_ids, max_tokens, sampling, tenant=tenant, priority=hints.priority,
-              latency_s=hints.latency_s, close_session=hints.close_session)
+              latency_s=hints.latency_s, osl=hints.osl, close_session=hints.close_session)
     check_bus_size(state, job, api.chat)
     reads_calls = conv is not None and conv.tools and conv.tool_choice.mode != "none"
     return job, Prepared(parsed, len(prompt_ids), state.tool_format if reads_calls else None,

@@ -78,7 +78,7 @@ class AgentHints(_Lenient):
     """Dynamo's nvext.agent_hints (services/router/hints.py)."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None  # higher first
     latency_sensitivity: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] | None = None
-    osl: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # expected output length: validated, not yet used
+    osl: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # expected output tokens: the gate's reservation
 
 
 class SessionControl(_Lenient):

@@ -171,16 +171,18 @@ class Engine:
         return seq
 
     def adopt_prefilled(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
-                        params: SamplingParams, block_table: list[int], shown_text: str = "") -> Sequence:
+                        params: SamplingParams, block_table: list[int], shown_text: str = "",
+                        priority: int = 0) -> Sequence:
         """Continue a request whose KV arrived from elsewhere (a handoff): KV of every token but the
         last output token is already in `block_table`, whose ownership passes to the sequence.
-        `shown_text` is what the client has already been sent, so deltas continue from it."""
+        `shown_text` is what the client has already been sent, so deltas continue from it. `priority`
+        (higher first): when KV runs out, lower priorities are preempted first."""
         self._validate(request_id, prompt_ids, params)
         if not output_ids:
             raise ValueError("a prefilled request carries at least its first output token")
         guide = self.guides.matcher(params.grammar, output_ids) if params.grammar else None  # replayed: see guide.py
         seq = Sequence(request_id, list(prompt_ids), params, token_ids=list(prompt_ids) + list(output_ids),
-                       guide=guide)
+                       guide=guide, priority=priority)
         seq.num_computed = len(seq.token_ids) - 1
         if len(block_table) * self.layout.block_size < seq.num_computed:
             raise ValueError(f"block table holds {len(block_table)} blocks, too few for {seq.num_computed} tokens")

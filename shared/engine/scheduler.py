@@ -11,7 +11,8 @@ several steps (chunked prefill). Which prompts share a step is the policy's choi
   prompt still progresses with the budget left over.
 A waiting sequence is admitted by matching its longest cached prefix in the device prefix index (those
 blocks get one more owner and are not recomputed), then allocating blocks only for the tokens this
-step computes. When decode runs out of blocks, the newest running sequence is preempted: its blocks are
+step computes. When decode runs out of blocks, the newest running sequence of the lowest priority (agent
+hints) is preempted: its blocks are
 released (still cached) and it is recomputed later, mostly from the prefix cache. Nothing here touches
 tensors.
 """
@@ -194,14 +195,17 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
             while not self._try_grow(seq, 1):
-                victim = self.running[-1]  # the newest loses its blocks first
+                victim = self.victim()
                 self.preempt(victim)
+                if victim in batch.seqs:  # taken earlier in this step (a lower priority, older): not any more
+                    i = batch.seqs.index(victim)
+                    del batch.seqs[i], batch.num_tokens[i]
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
                 batch.seqs.append(seq), batch.num_tokens.append(1)
         if not batch.seqs and len(self.running) > 1:
-            self.preempt(self.running[-1])  # prompts stuck mid-prefill: free room for the older ones
+            self.preempt(self.victim())  # prompts stuck mid-prefill: free room for the others
         return batch if batch.seqs else None
 
     def _admit_prefix(self, seq: Sequence) -> None:
@@ -243,6 +247,10 @@ class Scheduler:
     def _drop_blocks(self, seq: Sequence) -> None:
         self.bm.release(reversed(seq.block_table))  # tails evict before their prefixes
         seq.block_table, seq.num_computed, seq.num_registered_blocks = [], 0, 0
+
+    def victim(self) -> Sequence:
+        """Who loses its blocks when KV runs out: the lowest priority, and among those the newest."""
+        return min(reversed(self.running), key=lambda s: s.priority)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

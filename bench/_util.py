@@ -165,6 +165,25 @@ def write_result(result: dict, out: str | os.PathLike, t_start: float, plot_fn: 
     print(f"\nwrote {out} and {out.with_suffix('.png')} in {result['total_wall_s']:.0f} s")
 
 
+def system_bench_main(argv: list[str] | None, doc: str, name: str, run: Callable, quick, full,
+                      plot_fn: Callable[[dict, str], None], report_fn: Callable[[dict], str]) -> int:
+    """main() of a benchmark that starts `moorage up`: `run(size, run_dir, overrides)` at the `quick` or the
+    `full` size, then the result written (bench/results/<name>.json by default) with its plot and report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=f"bench/results/{name}.json")
+    ap.add_argument("--run-dir", default=f"runs/{name}")
+    ap.add_argument("--set", action="append", default=[], help="moorage up override (repeatable)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    result = run(quick if args.quick else full, args.run_dir, args.set)
+    result["machine"] = machine_info()
+    write_result(result, args.out, t0, plot_fn, report_fn)
+    return 0
+
+
 # --- helpers for bench/handoff.py ---------------------------------------------------------------
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,5 +1,6 @@
 """The faults bench/faults.py injects into a running `moorage up` (infra.up.Launcher), one at a time:
-kill -9 of one process, a disconnect storm, an overload burst beyond the gate's budget, and a NATS
+kill -9 of one process, a disconnect storm, an overload burst beyond the gate's budget, the same burst at
+the highest priority a key may ask for (a priority flood from one tenant: issue 30), and a NATS
 restart (stopped cleanly, then started again on the same port with the same credential)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from infra.up import NATS_CHILD, Launcher
 @dataclass(frozen=True)
 class Fault:
     name: str        # the table's row
-    kind: str        # kill | storm | overload | nats_restart
+    kind: str        # kill | storm | overload | priority_flood | nats_restart
     victim: str = ""  # the supervised child it restarts (kill, nats_restart)
 
     @property
@@ -29,6 +30,7 @@ class Fault:
 
 KILLS = ("store-0", "master-0", "prefill-0", "decode-0", "gate-0", "router-0", NATS_CHILD)
 FAULTS = (Fault("disconnect storm", "storm"), Fault("overload burst", "overload"),
+          Fault("priority flood", "priority_flood"),
           *(Fault(f"kill -9 {v}", "kill", v) for v in KILLS), Fault("NATS restart", "nats_restart", NATS_CHILD))
 
 
@@ -42,6 +44,7 @@ class FaultSize:
     burst_prompt_bytes: int = 1500  # long prompts, short answers: a few fill the budget, the burst ends soon
     burst_max_tokens: int = 32
     burst_timeout_s: float = 120.0
+    flood_priority: int = 10       # router.max_priority's default: the most a key may ask for
 
 
 class Restarts:
@@ -90,6 +93,9 @@ async def inject(fault: Fault, launcher: Launcher, base_url: str, record: Callab
     elif fault.kind == "overload":
         await burst(base_url, record, size.burst_requests, size.burst_prompt_bytes, size.burst_max_tokens,
                     size.burst_timeout_s)
+    elif fault.kind == "priority_flood":  # the burst, every request at the tenant's ceiling (router.max_priority)
+        await burst(base_url, record, size.burst_requests, size.burst_prompt_bytes, size.burst_max_tokens,
+                    size.burst_timeout_s, priority=size.flood_priority)
     elif fault.kind == "nats_restart":
         await restart_nats(launcher, restarts)
     else:

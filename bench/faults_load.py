@@ -228,10 +228,12 @@ async def storm(base_url: str, record: Callable[[Result], Result], streams: int,
 
 
 async def burst(base_url: str, record: Callable[[Result], Result], requests: int, prompt_bytes: int,
-                max_tokens: int, timeout_s: float) -> None:
+                max_tokens: int, timeout_s: float, priority: int | None = None) -> None:
     """`requests` at once whose reservations together exceed the gate's budget: the rest wait, and what
-    waits past gate.admission_wait_s is a 429 with Retry-After."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=None,
+    waits past gate.admission_wait_s is a 429 with Retry-After. `priority`: each says it (x-request-priority),
+    one tenant flooding at its ceiling, ahead of everyone else in the gate's queue and prefill's order."""
+    headers = {"x-request-priority": str(priority)} if priority is not None else {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers,
                                  limits=httpx.Limits(max_connections=requests + 8)) as http:
         async def one(k: int) -> None:
             line = f"User burst-{k}: list every knot you know, number {k}.\n"

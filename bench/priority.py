@@ -17,7 +17,6 @@ throughput, and every error. Goal (issue 30): high priority within 1.5x of unloa
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import random
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench._util import machine_info, md_table, write_result
+from bench._util import md_table, system_bench_main
 
 WORDS = ("def return class import self value error test build compile python module function agent tool "
          "result path file line assert config request response token cache session history patch diff").split()
@@ -180,17 +179,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="bench/results/priority.json")
-    ap.add_argument("--run-dir", default="runs/priority")
-    ap.add_argument("--set", action="append", default=[], help="moorage up override (repeatable)")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    result = run(QUICK if args.quick else FULL, args.run_dir, args.set)
-    result["machine"] = machine_info()
-    write_result(result, args.out, t0, plot, report)
-    return 0
+    return system_bench_main(argv, __doc__, "priority", run, QUICK, FULL, plot, report)
 
 
 if __name__ == "__main__":

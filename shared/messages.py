@@ -154,6 +154,7 @@ class AdmitRequest(Message):
     priority: int = 0      # agent hint, higher first: a head start of priority x gate.priority_step_s in the queue
     latency_s: float = 0.0  # agent hint (latency_sensitivity): seconds more of head start
     osl: int = 0           # agent hint: expected output tokens (0: unknown); the gate reserves min(max_tokens, osl x osl_margin)
+    prefer_decode: str = ""  # the decode that served the session's last turn (holds its blocks): taken when it has room now
 
 
 @message("admit_reply")
@@ -251,6 +252,8 @@ class PagesRequest(Message):
     prefill_instance: str
     num_tokens: int
     block_layout: list
+    block_hashes: list = field(default_factory=list)  # the prompt's full blocks' chained hashes (its tenant's
+    #   namespace): decode grants the leading ones it still holds as `reused` and prefill writes only the rest
 
 
 @message("pages_grant")
@@ -260,6 +263,8 @@ class PagesGrant(Message):
     runs: list = field(default_factory=list)          # the request's blocks, in order: [[addr, count], ...] of
     #   `count` consecutive blocks from address `addr`
     block_bytes: int = 0                              # bytes of one block (all layers, K and V)
+    reused: int = 0                                   # leading blocks decode already holds (PagesRequest.block_hashes):
+    #   `runs` are the request's other blocks, from block `reused` on, and prefill writes only those
     error: str = ""
     fatal: bool = False        # asking again cannot help (cancelled, malformed); else: no room yet, ask again
     unsupported: bool = False  # this decode takes no direct writes (layout differs, turned off): use slots
@@ -293,6 +298,8 @@ class HandoffDone(Message):
     handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
     router: str = ""                                   # the router instance the request came from (its Holdings)
     priority: int = 0                                  # agent hint, higher first: decode preempts lower priorities first
+    tenant: str = ""                                   # the KV namespace its blocks are indexed under (decode reuse)
+    session_id: str = ""                               # decode frees the blocks it keeps for it when the session is closed
     pages: list = field(default_factory=list)          # direct handoff: [[first, count, offset, nbytes, crc32c]]
     #   per write (byte range [offset, offset + nbytes) of the granted blocks first..first+count-1, which
     #   are consecutive in decode's pages); empty: the KV came through landing slots (SlotsFilled)

@@ -84,9 +84,10 @@ def plan(src_blocks: list[int], dst_addrs: list[int], layout: KVLayout, max_byte
     return out
 
 
-def tiling_error(writes: list, n_blocks: int, block_bytes: int) -> str | None:
+def tiling_error(writes: list, n_blocks: int, block_bytes: int, first_block: int = 0) -> str | None:
     """None when HandoffDone.pages ([[first, count, offset, nbytes, crc], ...]) cover bytes
-    [0, n_blocks * block_bytes) of the granted blocks exactly once, each inside its own blocks; else why not."""
+    [first_block * block_bytes, n_blocks * block_bytes) of the granted blocks exactly once, each inside its
+    own blocks; else why not. Blocks before `first_block` are decode's already (decode reuse): none is written."""
     spans = []
     for w in writes:
         if not isinstance(w, (list, tuple)) or len(w) != 5 or not all(type(v) is int and v >= 0 for v in w):
@@ -97,7 +98,7 @@ def tiling_error(writes: list, n_blocks: int, block_bytes: int) -> str | None:
             return f"bad write {w!r} for {n_blocks} blocks of {block_bytes} bytes"
         spans.append((first * block_bytes + offset, nbytes))
     spans.sort()
-    end = 0
+    end = first_block * block_bytes
     for lo, n in spans:
         if lo != end:
             return f"writes {'overlap' if lo < end else 'leave a gap'} at byte {min(lo, end)} of the blocks"

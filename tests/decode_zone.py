@@ -65,7 +65,7 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     decode = DecodeService(service_ctx("decode", d_bus), d_engine,
                            lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint,
                                                     register_pages=cfg.register_pages),
-                           transport=d_te, direct=cfg.direct, register_pages=cfg.register_pages)
+                           transport=d_te, direct=cfg.direct, register_pages=cfg.register_pages, reuse=cfg.decode_reuse)
     decode.loop.start()
     try:
         s = d_bus.subjects

@@ -41,10 +41,12 @@ def test_the_engine_names_the_prompts_its_next_step_completes(tiny):
 class _Direct:
     """Records what the prefill service asks of its DirectSender (pure logic: no bus, no engine)."""
 
+    reuse = False
+
     def __init__(self):
         self.asked, self.released = [], []
 
-    def pre_grant(self, decode, rid, num_tokens, context=None):
+    def pre_grant(self, decode, rid, num_tokens, context=None, block_hashes=()):
         self.asked.append((decode, rid, num_tokens))
         return asyncio.get_running_loop().create_future()
 

@@ -40,6 +40,7 @@ ANNOUNCED_BOUND_S = {f"kill -9 {v}": 1.0 for v in ("decode-0", "prefill-0", "gat
 RECOVERY_BOUND_S = {"kill -9 decode-0": 30.0, "kill -9 router-0": 30.0, "kill -9 gate-0": 30.0}
 # An overload burst's 429 comes after gate.admission_wait_s (2 s here) of waiting, behind the burst itself.
 ERROR_BOUND_S_OVERLOAD = 15.0
+OVERLOADS = ("overload", "priority_flood")
 RESULTS: list[dict] = []
 
 
@@ -66,7 +67,7 @@ def test_fault_under_load(faults, fault: Fault):
     assert r.in_flight, "nothing was in flight at the fault"
     assert unclean(r) == [], f"in flight got {r.in_flight}: {r.others}"
     assert r.others == [], r.others
-    assert r.error_end_s is None or r.error_end_s <= (ERROR_BOUND_S_OVERLOAD if fault.kind == "overload"
+    assert r.error_end_s is None or r.error_end_s <= (ERROR_BOUND_S_OVERLOAD if fault.kind in OVERLOADS
                                                       else ANNOUNCED_BOUND_S.get(fault.name, ERROR_BOUND_S))
     bound = RECOVERY_BOUND_S.get(fault.name, GOAL_S)
     assert r.first_success_s is not None and r.first_success_s <= bound, \
@@ -74,5 +75,5 @@ def test_fault_under_load(faults, fault: Fault):
     assert r.healthy, f"not every instance ready again after {fault.name}"
     if fault.kind == "storm":
         assert r.storm_closed >= QUICK.fault.storm_streams // 2, "the storm's streams were not cut mid-way"
-    if fault.kind == "overload":
+    if fault.kind in OVERLOADS:
         assert r.in_flight.get("429", 0) > 0, f"the burst never overran the budget: {r.in_flight}"

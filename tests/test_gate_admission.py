@@ -151,6 +151,18 @@ def test_an_expected_output_length_reserves_less_and_validity_stays_on_max_token
         GateSettings(osl_margin=0.5)
 
 
+def test_the_session_s_last_decode_is_preferred_when_it_fits_now():
+    g = gate(budget_fraction=1.0)
+    g.report("d0", 1000, 1000, True, now=0)
+    g.report("d1", 1000, 1000, True, now=0)
+    g.admit("busy", 500, 0, now=0, instance="d1")
+    assert g.admit("back", 100, 0, now=1, prefer="d1") == Admitted("back", "d1", 100)  # d0 has less committed
+    assert g.admit("new", 100, 0, now=1) == Admitted("new", "d0", 100)
+    assert g.admit("big", 500, 0, now=1, prefer="d1") == Admitted("big", "d0", 500)     # d1 has no room: no wait
+    assert g.admit("gone", 10, 0, now=1, prefer="d9") == Admitted("gone", "d0", 10)
+    g.check_integrity()
+
+
 def test_expiry_counts_the_tokens_due_before_it():
     g = gate(budget_fraction=1.0, admission_wait_s=5.0, retry_after_max_s=1000.0)
     g.report("d0", 1000, 1000, True, now=0)

@@ -414,6 +414,19 @@ def test_agent_hints_reach_the_gate_and_the_prefill(client, fake, extra_body, he
     assert (admit.priority, admit.latency_s, admit.osl) == want and submit.priority == want[0]
 
 
+def test_a_session_s_next_turn_prefers_the_decode_that_served_its_last(client, fake):
+    """That decode keeps the session's prompt blocks (decode reuse): the gate is asked to prefer it."""
+    rids = []
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=2,
+                                                               extra_headers={"X-Session-ID": "agent-9"})
+        rids.append(raw.headers["x-request-id"])
+    first, second = (wait_for(lambda r=r: fake.admit_of(r)) for r in rids)
+    assert first.prefer_decode == "" and second.prefer_decode == "decode-0"
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=2)
+    assert wait_for(lambda: fake.admit_of(raw.headers["x-request-id"])).prefer_decode == ""  # no session: none
+
+
 @pytest.mark.parametrize("extra_body, headers, param", [
     ({"nvext": {"agent_hints": {"priority": 11}}}, {}, "nvext.agent_hints.priority"),  # above max_priority 10
     ({"priority": -11}, {}, "priority"),                                               # 11, said vLLM's way

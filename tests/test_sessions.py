@@ -1,6 +1,6 @@
 """Closing a session (issue 30): what its KV is, what closing frees, through the whole system.
 
-Pure: services/prefill/sessions.py says which hashes only the closed session held; BlockManager.drop_cached
+Pure: shared/sessions.py says which hashes only the closed session held; BlockManager.drop_cached
 frees those blocks no request holds. Real processes (`moorage up`, tiny model, pool on): two sessions share an
 opening; after DELETE /v1/sessions/{a}, the other session's next turn is still served from cache, while
 session a's own history is gone from the device and the pool (its next turn recomputes all but the shared
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from infra.up import UpConfig, launched
-from services.prefill.sessions import SessionIndex, SessionKV
+from shared.sessions import SessionIndex, SessionKV
 from shared.config import load_config
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine, EngineConfig
@@ -93,12 +93,12 @@ def _complete(base: str, prompt: list[int], session: str) -> dict:
     return r.json()
 
 
-def _prefill(url: str, pred) -> dict:
-    """The prefill's load report detail, once `pred` holds for it (or the last seen after 30 s)."""
+def _prefill(url: str, pred, role: str = "prefill") -> dict:
+    """The prefill's (or `role`'s) load report detail, once `pred` holds for it (or the last seen after 30 s)."""
     deadline, detail = time.monotonic() + 30, {}
     while time.monotonic() < deadline:
-        reports = asyncio.run(latest_reports(url, enough=lambda seen: any(r.role == "prefill" for r in seen.values())))
-        detail = next(r.detail for r in reports.values() if r.role == "prefill")
+        reports = asyncio.run(latest_reports(url, enough=lambda seen: any(r.role == role for r in seen.values())))
+        detail = next(r.detail for r in reports.values() if r.role == role)
         if pred(detail):
             break
         time.sleep(0.3)
@@ -116,6 +116,8 @@ def test_a_closed_session_s_kv_is_freed_and_the_shared_opening_stays(system, tin
     assert r.status_code == 200 and r.json() == {"id": "sess-a", "object": "session", "closed": True}
     d = _prefill(url, lambda d: d["sessions"]["sessions_closed"] >= 1)["sessions"]
     assert d["sessions_closed"] == 1 and d["session_blocks_dropped"] > 0 and d["session_objects_removed"] > 0
+    d = _prefill(url, lambda d: d["sessions"]["sessions_closed"] >= 1, "decode")["sessions"]  # decode keeps prompts
+    assert d["sessions_closed"] == 1 and d["session_blocks_dropped"] >= (700 - 16) // 16  # a's own blocks there
     # b is served from cache as before: its own history and the shared opening
     cached_b = _complete(base, b + _tokens(4, 20), "sess-b")["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached_b >= len(b) - 16

@@ -55,8 +55,10 @@ class Refused(ValueError):
 
 
 class DirectPages:
-    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True, register_pages: bool = True):
+    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True, register_pages: bool = True,
+                 reuse: bool = True):
         self.zone, self.layout = zone, zone.layout
+        self.reuse_counters = {"reuse_grants": 0, "reused_blocks": 0, "reuse_mismatches": 0}
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
         self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
@@ -66,6 +68,7 @@ class DirectPages:
                        "transfer.register_pages is false" if not register_pages else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
+        self.reuse = reuse and self.reason is None  # grant the prompt's leading blocks we hold (transfer.decode_reuse)
         if self.reason is None:
             transport.register(pages[0])
             self._base = pages[0].data_ptr()
@@ -89,11 +92,13 @@ class DirectPages:
             return PagesGrant(rid, error=f"bad token count {msg.num_tokens}", fatal=True)
         deadline = time.monotonic() + GRANT_HOLD_S
         n_blocks = -(-msg.num_tokens // self.layout.block_size)
+        # leading full blocks we may already hold; the last token's block is always written (at least one write)
+        hashes = msg.block_hashes[:(msg.num_tokens - 1) // self.layout.block_size] if self.reuse else []
         while rid not in zone.landings:
             if zone.is_cancelled(rid):
                 return PagesGrant(rid, error="request cancelled", fatal=True)
             try:
-                blocks = await zone.loop.call(lambda: zone.engine.block_manager.allocate(n_blocks))
+                reused, blocks = await zone.loop.call(lambda: self._take(hashes, n_blocks))
             except OutOfBlocks:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -101,17 +106,34 @@ class DirectPages:
                 await zone._wait_for_room(remaining, blocks=True)
                 continue
             if zone.is_cancelled(rid) or rid in zone.landings:  # cancelled, or a duplicate request won, meanwhile
-                await zone.loop.call(lambda: zone.engine.block_manager.release(blocks))
+                await zone.loop.call(lambda: zone.engine.block_manager.release(reused + blocks))
                 continue
-            zone.landings[rid] = Landing(blocks, msg.num_tokens, n_blocks * self.block_bytes, writes_over=False,
-                                         writer=msg.prefill_instance)
+            zone.landings[rid] = Landing(reused + blocks, msg.num_tokens, len(blocks) * self.block_bytes,
+                                         writes_over=False, writer=msg.prefill_instance, reused=len(reused))
+            if reused:
+                self.reuse_counters["reuse_grants"] += 1
+                self.reuse_counters["reused_blocks"] += len(reused)
             zone._spawn(zone._prefault(blocks))  # while prefill reads the grant and starts writing
         landing = zone.landings[rid]
         if landing.writes_over:  # a staged landing of the same id
             return PagesGrant(rid, error="request is already landing through slots", fatal=True)
         landing.last_activity = time.monotonic()
-        return PagesGrant(rid, zone.endpoint, [[self._base + b * self.block_bytes, n] for b, n in to_runs(landing.blocks)],
-                          self.block_bytes)
+        written = landing.blocks[landing.reused:]
+        return PagesGrant(rid, zone.endpoint, [[self._base + b * self.block_bytes, n] for b, n in to_runs(written)],
+                          self.block_bytes, reused=landing.reused)
+
+    def _take(self, hashes: list, n_blocks: int) -> tuple[list[int], list[int]]:
+        """Engine thread: (the blocks we hold of the prompt's leading `hashes`, one more owner each; new blocks
+        for the rest). The held ones are acquired before the allocation, which could otherwise evict them.
+        Raises OutOfBlocks with nothing taken."""
+        bm = self.zone.engine.block_manager
+        reused = bm.match_hashes(hashes)
+        bm.acquire(reused)
+        try:
+            return reused, bm.allocate(n_blocks - len(reused))
+        except OutOfBlocks:
+            bm.release(reversed(reused))
+            raise
 
     async def released(self, msg: PagesReleased, raw=None) -> None:
         await self.zone.drop(msg.request_id)
@@ -178,7 +200,8 @@ class DirectPages:
         landing = zone.landings.get(rid)
         if landing is None:
             raise KeyError(rid)
-        reason = tiling_error(msg.pages, len(landing.blocks), self.block_bytes) or self._consecutive_error(landing, msg)
+        reason = tiling_error(msg.pages, len(landing.blocks), self.block_bytes, landing.reused) \
+            or self._consecutive_error(landing, msg)
         if reason is not None:
             await zone.drop(rid)
             raise Refused(reason)
@@ -197,10 +220,28 @@ class DirectPages:
             log.warning("handoff checksum mismatch: request failed, its KV freed", request_id=rid, reason=reason)
             await zone.drop(rid)
             raise Refused(f"{MISMATCH} ({reason})")
+        if landing.reused:
+            await self._check_reused(landing, msg)
         zone.checks.verified += len(msg.pages)
         landing.received_bytes = landing.total_bytes
         landing.settled.set()
         return zone.take(rid), timing
+
+    async def _check_reused(self, landing: Landing, msg: HandoffDone) -> None:
+        """The blocks we granted as already held must hold exactly this prompt's leading tokens (under its
+        tenant's namespace): else the request is refused (prefill fails it with a 503 that the router retries)
+        and those blocks leave our prefix index, so the retry moves the whole prompt."""
+        engine, held = self.zone.engine, landing.blocks[:landing.reused]
+        seed = engine.kv_namespace(msg.tenant).seed if msg.tenant else None
+        reason = await self.zone.loop.call(lambda: engine.block_manager.prefix_error(held, msg.prompt_ids, seed))
+        if reason is None:
+            return
+        self.reuse_counters["reuse_mismatches"] += 1
+        await self.zone.loop.call(lambda: engine.block_manager.unindex(held))
+        log.warning("retained prefix does not match the prompt: request failed, those blocks forgotten",
+                    request_id=msg.request_id, reason=reason)
+        await self.zone.drop(msg.request_id)
+        raise Refused(f"retained prefix mismatch ({reason})")
 
     def _consecutive_error(self, landing: Landing, msg: HandoffDone) -> str | None:
         for first, count, *_ in msg.pages:

@@ -83,6 +83,7 @@ class Landing:
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
     checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
     writer: str = ""       # direct: the prefill instance writing into `blocks`
+    reused: int = 0        # direct: leading blocks of `blocks` we already held (decode reuse): nothing is written there
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())

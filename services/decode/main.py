@@ -29,9 +29,10 @@ from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
 from shared.messages import (Ack, Cancel, HandoffDone, Holdings, InstanceExited, LoadReport, PagesGrant, PagesLanded,
-                             PagesReleased, PagesRequest, SlotGrant, SlotRequest, SlotsFilled, TokenChunk, error_info,
-                             make_usage)
+                             PagesReleased, PagesRequest, SessionClose, SlotGrant, SlotRequest, SlotsFilled, TokenChunk,
+                             error_info, make_usage)
 from shared.service import ServiceContext
+from shared.sessions import SessionIndex, SessionKV
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, LandingSlots
 
@@ -70,16 +71,19 @@ class Active:
 
 class DecodeService:
     def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0,
-                 transport: KVTransport | None = None, direct: bool = False, register_pages: bool = True):
+                 transport: KVTransport | None = None, direct: bool = False, register_pages: bool = True,
+                 reuse: bool = True):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
         # the direct handoff: prefill writes into our pages (registered with `transport`) when `direct`
         self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None,
-                                  register_pages=register_pages)
+                                  register_pages=register_pages, reuse=reuse)
         self.active: dict[str, Active] = {}
         self.adopting: set[asyncio.Task] = set()  # acked handoffs the engine is taking
+        self.sessions = SessionIndex()  # the prompt blocks each session alone has here (decode reuse): freed on close
+        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0}
         self.log = ctx.log
 
     async def on_landed(self, msg: HandoffDone, raw) -> Ack:
@@ -114,7 +118,7 @@ class DecodeService:
         rid = msg.request_id
         try:
             await self.loop.call(lambda: self.engine.adopt_prefilled(
-                rid, msg.prompt_ids, msg.output_ids, params, blocks, msg.shown_text, msg.priority))
+                rid, msg.prompt_ids, msg.output_ids, params, blocks, msg.shown_text, msg.priority, msg.tenant))
         except (ValueError, TypeError, EngineLoopDead) as e:
             if not isinstance(e, EngineLoopDead):
                 await self.loop.call(lambda: self.engine.block_manager.release(blocks))
@@ -131,6 +135,21 @@ class DecodeService:
             span.end()
             return
         self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic(), msg.router)
+        if msg.session_id and self.direct.reuse:  # its prompt's blocks stay here after it ends: a close frees them
+            seed = self.engine.kv_namespace(msg.tenant).seed if msg.tenant else None
+            blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, seed)
+            self.sessions.record((msg.tenant, msg.session_id), SessionKV(tuple(blocks)))
+
+    async def on_session_close(self, msg: SessionClose, raw) -> None:
+        """Free the prompt blocks this session alone kept here that no request holds (shared/sessions.py)."""
+        closed = self.sessions.close((msg.tenant, msg.session_id))
+        if not closed.known:
+            return
+        with contextlib.suppress(EngineLoopDead):
+            dropped = await self.loop.call_now(lambda: self.engine.block_manager.drop_cached(closed.blocks))
+            self.session_totals["sessions_closed"] += 1
+            self.session_totals["session_blocks_dropped"] += dropped
+            self.log.info("session closed", session_id=msg.session_id, blocks_dropped=dropped)
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         dropped = await self.zone.drop(msg.request_id)
@@ -212,7 +231,9 @@ class DecodeService:
                           {"landing": len(self.zone.landings), "free_slots": self.zone.slots.num_free,
                            "quarantined": len(self.zone.quarantine),
                            "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
-                           "unhealthy": unhealthy, **self.zone.checks.detail()})
+                           "unhealthy": unhealthy, "retained_blocks": e.block_manager.num_cached_blocks,
+                           "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
+                           **self.direct.reuse_counters, **self.zone.checks.detail()})
 
     async def stop(self) -> None:
         await asyncio.gather(*self.adopting, return_exceptions=True)
@@ -234,7 +255,8 @@ async def serve(ctx: ServiceContext) -> None:
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
                                                                    cfg.transfer.copy_threads,
                                                                    cfg.transfer.register_pages),
-                        cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
+                        cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages,
+                        cfg.transfer.decode_reuse)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room
@@ -249,6 +271,7 @@ async def serve(ctx: ServiceContext) -> None:
                             on_error=lambda e, raw: Ack("", False, str(e)))
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
+    await ctx.bus.subscribe(s.session_close, SessionClose, svc.on_session_close)
     await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     expiry = asyncio.create_task(svc.expire_landings())
     ctx.load_report = svc.load_report

@@ -19,6 +19,8 @@ starts and takes the promise back when it ends, so decode never runs out of KV h
   admits from the head while the head fits, and a new request is admitted at once only when nobody is
   waiting or it is due before the head. A big request at the head is never overtaken for ever: a
   later one overtakes it only by its bounded head start (the router caps priorities per tenant).
+- `prefer`: the decode that served the session's last turn keeps its prompt's blocks (decode reuse), so it
+  is chosen when it fits now; else the usual choice (a preference never makes a request wait).
 - An expected output length (agent hint `osl`) reserves `min(max_tokens, osl x osl_margin)` output
   tokens instead of max_tokens, so more requests fit; validity is still judged on max_tokens. One that
   writes more than it said is not cut: its KV grows on decode, whose reported free count we believe.
@@ -131,6 +133,7 @@ class Waiting:
     owner: str = ""       # the router process (boot id) that asked
     head_start_s: float = 0.0  # from its priority and latency hints: served as if it had arrived this much earlier
     output_tokens: int = -1    # output tokens reserved (fewer than max_tokens from an osl hint); -1: max_tokens
+    prefer: str = ""           # the session's last decode (holds its prompt's blocks): chosen when it fits now
 
     @property
     def tokens(self) -> int:
@@ -207,11 +210,13 @@ class Admission:
         return inst.ready and inst.budget > 0 and now - inst.last_seen <= self.settings.instance_timeout_s
 
     def _choose(self, w: Waiting, now: float) -> Instance | None:
-        """The live instance, big enough for w, with the least committed fraction that fits w now."""
+        """The live instance, big enough for w, with the least committed fraction that fits w now (w's preferred
+        one, the session's last, when it fits)."""
         able = [i for i in self.instances.values() if self.live(i, now) and i.budget >= w.tokens]
         pinned = [i for i in able if i.name == w.instance]
         fits = [i for i in (pinned or able) if i.committed + w.tokens <= i.budget]
-        return min(fits, key=lambda i: (i.committed / i.budget, i.name), default=None)
+        preferred = [i for i in fits if i.name == w.prefer]
+        return min(preferred or fits, key=lambda i: (i.committed / i.budget, i.name), default=None)
 
     # ---- admission ---------------------------------------------------------------------------
     def _invalid_reason(self, prompt_tokens: int, max_tokens: int) -> str | None:
@@ -259,7 +264,7 @@ class Admission:
 
     def admit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float,
               instance: str | None = None, owner: str = "", priority: int = 0,
-              latency_s: float = 0.0, osl: int = 0) -> Admitted | Invalid | Rejected | Wait:
+              latency_s: float = 0.0, osl: int = 0, prefer: str = "") -> Admitted | Invalid | Rejected | Wait:
         """Reserve at once, refuse for good, or queue. Repeating an admit for a request that is
         reserved or waiting returns its current state and reserves nothing more. Validity is judged on
         max_tokens; the reservation takes the osl hint into account (output_reserve)."""
@@ -278,7 +283,7 @@ class Admission:
             self.counters["invalid"] += 1
             return Invalid(request_id, reason)
         w = Waiting(request_id, prompt_tokens, max_tokens, instance, now, owner, self.head_start(priority, latency_s),
-                    self.output_reserve(max_tokens, osl))
+                    self.output_reserve(max_tokens, osl), prefer)
         unavailable = self._unavailable_reason(w.tokens, now)
         if unavailable is not None:
             self.counters["rejected"] += 1

@@ -89,7 +89,7 @@ class Gate:
                 raise RuntimeError("shutting down")
             outcome = self.admission.admit(msg.request_id, msg.prompt_tokens, msg.max_tokens, now,
                                            msg.decode_instance, msg.router_boot, msg.priority, msg.latency_s,
-                                           msg.osl)
+                                           msg.osl, msg.prefer_decode)
         except Exception as e:  # a bug must cost one request, not the service
             self.log.exception("admit failed", request_id=msg.request_id)
             outcome, error = Rejected(msg.request_id, f"gate internal error: {e}", 0.0,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -117,16 +118,17 @@ class DirectSender:
             for p in pages:
                 transport.register(p)
         self.crcs = BlockCRCs(pages, generation) if self.enabled else None
+        self.reuse = self.enabled and config.decode_reuse  # send the prompt's block hashes: decode may hold some
 
     def pre_grant(self, decode: str, request_id: str, num_tokens: int,
-                  context: otel_context.Context | None = None) -> asyncio.Task | None:
+                  context: otel_context.Context | None = None, block_hashes: list = ()) -> asyncio.Task | None:
         """Ask `decode` for the request's blocks now, as a task (`context`: the grant's trace parent); give
         the task to `send(early=...)`, or to `release` if the request ends without a handoff."""
         if not self.enabled:
             return None
         token = otel_context.attach(context) if context is not None else None
         try:  # the task copies the current context
-            return asyncio.create_task(self._timed_grant(decode, request_id, num_tokens))
+            return asyncio.create_task(self._timed_grant(decode, request_id, num_tokens, block_hashes))
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -142,32 +144,38 @@ class DirectSender:
 
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
                    done: HandoffDone, done_context: otel_context.Context | None = None,
-                   early: asyncio.Task | None = None) -> HandoffStats | None:
+                   early: asyncio.Task | None = None, block_hashes: list = ()) -> HandoffStats | None:
         """Moves the KV of tokens [0, num_tokens) into `decode`'s pages and hands the request over; None
         (nothing done) when that decode takes no direct writes: use the staged sender. `early`: this
-        request's `pre_grant` task (send owns it from here)."""
+        request's `pre_grant` task (send owns it from here). `block_hashes`: the prompt's full blocks'
+        (transfer.decode_reuse): decode may answer that it holds the leading ones, which are then not sent."""
         if not self.enabled:
             return None
         n_blocks = -(-num_tokens // self.layout.block_size)
         t, completed = time.perf_counter(), False
         try:
-            grant, at = await (early if early is not None else self._timed_grant(decode, request_id, num_tokens))
+            grant, at = await (early if early is not None
+                               else self._timed_grant(decode, request_id, num_tokens, block_hashes))
             if grant is not None and time.monotonic() - at > self.config.timeout_s / 2:
-                grant = await self._grant(decode, request_id, num_tokens)  # decode restarts its idle clock
+                grant = await self._grant(decode, request_id, num_tokens, block_hashes)  # it restarts its idle clock
             if grant is None:
                 completed = True  # decode allocated nothing
                 return None
             stats = HandoffStats(mode="direct", grant_ms=(time.perf_counter() - t) * 1e3,
-                                 early_grant=early is not None)
-            addrs = expand_runs(grant.runs, n_blocks, grant.block_bytes)
-            writes = plan(block_table[:n_blocks], addrs, self.layout, CHECK_BYTES)
+                                 early_grant=early is not None, reused_blocks=grant.reused)
+            k = grant.reused  # decode holds blocks [0, k) of this prompt already: only the rest is written
+            if not 0 <= k < n_blocks or k * self.layout.block_size > num_tokens:
+                raise HandoffFailed(f"decode claims {k} held blocks of a {n_blocks}-block prompt")
+            addrs = expand_runs(grant.runs, n_blocks - k, grant.block_bytes)
+            writes = [dataclasses.replace(w, first=w.first + k)
+                      for w in plan(block_table[k:n_blocks], addrs, self.layout, CHECK_BYTES)]
             srcs = [self.pages[w.stage].data_ptr() + w.src_block * self.layout.stage_block_bytes(w.stage)
                     for w in writes]
-            dsts = [addrs[w.first] + w.offset for w in writes]
+            dsts = [addrs[w.first - k] + w.offset for w in writes]
             lengths = [w.nbytes for w in writes]
             stats.bytes, stats.writes, stats.rounds = sum(lengths), self._batches(len(writes)), 1
             done.handoff = {"bytes": stats.bytes, "writes": stats.writes, "rounds": 1, "mode": "direct",
-                            "entries": len(writes)}
+                            "entries": len(writes), "reused_blocks": k}
             t = time.perf_counter()
             with tracer.start_as_current_span("kv.write", attributes={
                     "round": 0, "writes": len(writes), "bytes": sum(lengths), "endpoint": grant.endpoint}):
@@ -243,17 +251,20 @@ class DirectSender:
                for w in writes]
         return [c for c, _ in got], (time.perf_counter() - t) * 1e3, sum(r for _, r in got)
 
-    async def _timed_grant(self, decode: str, request_id: str, num_tokens: int) -> tuple[PagesGrant | None, float]:
+    async def _timed_grant(self, decode: str, request_id: str, num_tokens: int,
+                           block_hashes: list = ()) -> tuple[PagesGrant | None, float]:
         """`_grant`, and the monotonic time it came in."""
-        grant = await self._grant(decode, request_id, num_tokens)
+        grant = await self._grant(decode, request_id, num_tokens, block_hashes)
         return grant, time.monotonic()
 
-    async def _grant(self, decode: str, request_id: str, num_tokens: int) -> PagesGrant | None:
+    async def _grant(self, decode: str, request_id: str, num_tokens: int,
+                     block_hashes: list = ()) -> PagesGrant | None:
         """Decode's blocks for the request, asking again while it is short of room; None: unsupported."""
         deadline = time.monotonic() + self.config.timeout_s
+        hashes = list(block_hashes) if self.reuse else []
         while True:
             grant = await self.bus.request(self.bus.subjects.decode_pages(decode), PagesRequest(
-                request_id, self.instance, num_tokens, self.layout.block_layout), PagesGrant)
+                request_id, self.instance, num_tokens, self.layout.block_layout, hashes), PagesGrant)
             if grant.unsupported:
                 return None
             if grant.runs:

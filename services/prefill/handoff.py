@@ -93,6 +93,7 @@ class HandoffStats:
     grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
     done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify included; adoption follows it)
     early_grant: bool = False  # direct: the grant was asked for while the prompt's last step computed
+    reused_blocks: int = 0   # direct: leading blocks decode held already (decode reuse): not sent
     mode: str = "slots"      # "slots": staged through landing slots; "direct": into decode's pages (direct.py)
     entry_bytes: list = field(default_factory=list)  # direct: the bytes of each span written
     extra: dict = field(default_factory=dict)

@@ -16,7 +16,6 @@ from opentelemetry.trace import Status, StatusCode
 from services.prefill.direct import DirectSender
 from services.prefill.events import KVEventPublisher
 from services.prefill.handoff import HandoffFailed, HandoffSender
-from services.prefill.sessions import SessionIndex, SessionKV
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop, EngineLoopDead
 from shared.engine.models import load_model
@@ -28,6 +27,7 @@ from shared.hashing import chunk_hashes
 from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport, SessionClose,
                              PrefillSubmit, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
+from shared.sessions import SessionIndex, SessionKV
 from shared.tracing import get_tracer
 
 tracer = get_tracer("moorage.prefill")
@@ -46,6 +46,7 @@ class Pending:
     finishing: bool = False              # the engine runs (or ran) the step that completes its prompt
     grant: asyncio.Task | None = None    # decode's pages, asked for early (DirectSender.pre_grant)
     grant_asked_ns: int = 0              # when (time.time_ns, the engine's clock): see kv.handoff grant_lead_ms
+    block_hashes: list = field(default_factory=list)  # the prompt's full blocks' (its tenant's namespace): decode reuse
     since: float = field(default_factory=time.monotonic)  # when it was submitted (its router's Holdings)
 
     def __post_init__(self) -> None:
@@ -70,7 +71,8 @@ class PrefillService:
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed,
                                on_prefill_ending=self.on_prefill_ending)
         self.pending: dict[str, Pending] = {}
-        self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0}  # since start (metrics)
+        self.handoff_totals = {"handoff_bytes": 0, "handoff_writes": 0, "handoffs_done": 0,  # since start (metrics)
+                               "handoff_reused_blocks": 0}  # blocks decode held already (decode reuse): not sent
         self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
         self.pool = None  # PoolConnector when the shared pool is enabled
         self.sessions = SessionIndex()  # the KV each session alone uses: freed when it is closed
@@ -98,20 +100,24 @@ class PrefillService:
             return Ack(msg.request_id, False, str(e))
         p = self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw))
         self._spawn(self._admit(p, params))  # ack now: a restore may take longer than the router waits
-        if msg.session_id:
-            self._record_session(msg)
+        reuse = self.direct is not None and self.direct.reuse
+        if msg.session_id or reuse:  # an 8K prompt hashes in 0.6 ms
+            ns = self.engine.kv_namespace(msg.tenant)
+            blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, ns.seed if msg.tenant else None)
+            p.block_hashes = blocks if reuse else []
+            if msg.session_id:
+                self._record_session(msg, blocks)
         return Ack(msg.request_id, True)
 
-    def _record_session(self, msg: PrefillSubmit) -> None:
-        """The session's latest prompt, as block hashes and chunk digests (an 8K prompt hashes in 0.6 ms)."""
+    def _record_session(self, msg: PrefillSubmit, blocks: list[bytes]) -> None:
+        """The session's latest prompt, as block hashes and chunk digests."""
         ns = self.engine.kv_namespace(msg.tenant)
-        blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, ns.seed if msg.tenant else None)
         chunks = chunk_hashes(msg.prompt_ids, ns.seed, self.engine.layout.chunk_tokens) if self.pool else ()
         self.sessions.record((msg.tenant, msg.session_id), SessionKV(tuple(blocks), tuple(chunks)))
 
     async def on_session_close(self, msg: SessionClose, raw) -> None:
         """Free what only this session used: its blocks in the device prefix cache that no request holds, and
-        its chunks' pool objects (services/prefill/sessions.py says what "only" means)."""
+        its chunks' pool objects (shared/sessions.py says what "only" means)."""
         closed = self.sessions.close((msg.tenant, msg.session_id))
         if not closed.known:
             return
@@ -189,7 +195,8 @@ class PrefillService:
     def _pre_grant(self, p: Pending) -> None:
         if (self.direct is not None and p.decode and p.grant is None and not p.handoff_started
                 and p.seq is not None and p.seq.params.max_tokens > 1):  # else it ends here: no handoff
-            p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx)
+            p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx,
+                                            p.block_hashes)
             p.grant_asked_ns = time.time_ns() if p.grant is not None else 0
 
     def handing_off(self) -> bool:
@@ -323,7 +330,8 @@ class PrefillService:
         early, p.grant = p.grant, None  # this handoff's now: direct.send uses it, or the finally gives it back
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
-                           router=p.submit.router, priority=p.submit.priority)
+                           router=p.submit.router, priority=p.submit.priority, tenant=p.submit.tenant,
+                           session_id=p.submit.session_id or "")
         span = None  # kv.handoff: from when the decode instance is known
         transferred = None  # the decode the KV went to, once the handoff succeeded
         try:
@@ -335,7 +343,8 @@ class PrefillService:
             with trace.use_span(span, end_on_exit=False):  # decode.generate: under router.request (done_context)
                 grant, early = early, None  # send owns it, however it ends
                 stats = None if self.direct is None else await self.direct.send(
-                    decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx, early=grant)
+                    decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx, early=grant,
+                    block_hashes=p.block_hashes)
                 if stats is None:  # that decode takes no direct writes
                     stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
                                                   done_context=p.trace_ctx)
@@ -344,12 +353,14 @@ class PrefillService:
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
                                  "crc_reused": stats.crc_reused, "verify_ms": stats.verify_ms,
                                  "verified_early": stats.verified_early, "grant_ms": stats.grant_ms,
-                                 "done_ms": stats.done_ms, "entry_bytes": stats.entry_bytes})
+                                 "done_ms": stats.done_ms, "entry_bytes": stats.entry_bytes,
+                                 "reused_blocks": stats.reused_blocks})
             if stats.early_grant:  # > 0: asked that long before the prompt's last step ended (same clock)
                 span.set_attribute("grant_lead_ms", (seq.first_token_ns - p.grant_asked_ns) / 1e6)
             self.handoff_totals["handoff_bytes"] += stats.bytes
             self.handoff_totals["handoff_writes"] += stats.writes
             self.handoff_totals["handoffs_done"] += 1
+            self.handoff_totals["handoff_reused_blocks"] += stats.reused_blocks
             transferred = decode
         except asyncio.CancelledError:
             if span is not None:

@@ -125,7 +125,7 @@ def create_fastapi(state: RouterState) -> FastAPI:
     @app.delete("/v1/sessions/{session_id:path}")
     async def close_session(request: Request, session_id: str) -> JSONResponse:
         """Close a session (a subagent ended): every prefill frees the KV only it used, on its device and in
-        the pool (services/prefill/sessions.py). Idempotent; an unknown session frees nothing."""
+        the pool (shared/sessions.py). Idempotent; an unknown session frees nothing."""
         tenant = authorize(state, request)
         if not 1 <= len(session_id) <= MAX_SESSION_CHARS:
             raise OpenAIError(400, f"session id must be 1-{MAX_SESSION_CHARS} characters", param="session_id")

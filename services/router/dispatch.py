@@ -29,7 +29,7 @@ from services.router.config import RouterSettings
 from services.router.guided import Guidance
 from services.router.liveness import Gone, LivenessMonitor, Watch
 from services.router.metrics import RouterMetrics
-from services.router.routing import LoadTable, PrefillPicker
+from services.router.routing import LoadTable, PrefillPicker, Sticky
 from services.router.schemas import OpenAIError
 from services.router.tool_calls import ToolFormat, format_for
 from shared.bus import Bus, PayloadTooLarge
@@ -67,6 +67,7 @@ class RouterState:
     boot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process (load reports, admits): a restarted
     #                                                               router's gate reservations are freed by it
     instance: str = ""  # this router's name on the bus: engines match its Holdings to what it sent them
+    decode_sessions: Sticky = field(init=False)         # session -> its last decode (which holds its prompt's blocks)
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
     guidance: Guidance = field(init=False)              # grammars for required calls and JSON answers
     tool_format: ToolFormat = field(init=False)         # how this model writes a tool call
@@ -74,6 +75,7 @@ class RouterState:
     def __post_init__(self) -> None:
         self.guidance = Guidance(self.tokenizer)
         self.tool_format = format_for(getattr(self.tokenizer, "chat_template", ""))  # (tests build it without one)
+        self.decode_sessions = Sticky(self.settings.session_idle_s)
         self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
         self.loads.listeners.append(self.monitor.on_report)
         self.loads.exit_listeners.append(self.monitor.on_exit)
@@ -87,6 +89,7 @@ class RouterState:
         """Every prefill frees the KV only this session used; its turns no longer stick to one prefill."""
         if self.picker.sticky is not None:
             self.picker.sticky.sessions.pop(session_id, None)
+        self.decode_sessions.sessions.pop(session_id, None)
         await self.bus.publish(self.bus.subjects.session_close, SessionClose(session_id, tenant))
 
     def others(self, role: str, instance: str | None = None) -> list[str]:
@@ -161,6 +164,13 @@ class Dispatch:
         self.chunks = 0             # token chunks received
         self.finished = False       # the final chunk arrived
         self._closed = False
+
+    def _decode_preference(self) -> str:
+        """The decode that served this session's last turn (it keeps that prompt's blocks: the handoff then sends
+        only the rest): the gate takes it when it has room now, else another. None after a decode failed."""
+        if self.avoid.decode is not None or not self.job.session_id:
+            return ""
+        return self.state.decode_sessions.owner(self.job.session_id, self.state.clock()) or ""
 
     def _decode_pin(self) -> str | None:
         """After a decode failed: ask the gate for another live one (the one with the most free KV)."""
@@ -263,7 +273,7 @@ class Dispatch:
             try:
                 reply = await self._unless_aborted(self.bus.request(self.bus.subjects.gate_admit, AdmitRequest(
                     rid, len(job.prompt_ids), job.max_tokens, self._decode_pin(), router_boot=self.state.boot,
-                    priority=job.priority, latency_s=job.latency_s, osl=job.osl),
+                    priority=job.priority, latency_s=job.latency_s, osl=job.osl, prefer_decode=self._decode_preference()),
                     AdmitReply, timeout=s.admission_timeout_s))
             except (*_BUS_ERRORS, MessageError) as e:
                 self.state.metrics.admission_rejections.labels("timeout").inc()
@@ -284,6 +294,8 @@ class Dispatch:
         self.decode = reply.decode_instance
         if not self.decode:
             raise OpenAIError(503, "the gate admitted the request without a decode instance")
+        if self.job.session_id:
+            self.state.decode_sessions.remember(self.job.session_id, self.decode, self.state.clock())
         self.span.set_attribute("decode_instance" if not self.attempt else "retry_decode_instance", self.decode)
         self.state.monitor.watch(self._watch, "decode", self.decode)  # fires at once if it is known gone
         if self._abort_error is not None:  # known gone already

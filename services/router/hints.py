@@ -11,7 +11,7 @@ of it (none for a key whose ceiling is 0 or less), so it cannot buy more head st
 `nvext.agent_hints.osl` (expected output tokens) makes the gate reserve min(max_tokens, osl x gate.osl_margin)
 instead of max_tokens: more requests fit on decode; one that writes more is not cut.
 `nvext.session_control` with `action: close` frees the session's KV once the request ended (prefill's
-services/prefill/sessions.py). It acts in the gate's queue (a head start of priority x gate.priority_step_s) and in prefill's
+shared/sessions.py). It acts in the gate's queue (a head start of priority x gate.priority_step_s) and in prefill's
 srpf order (a weight on the tokens left to compute, bounded: no starvation). A tenant may use priorities up
 to its ceiling (router.max_priority, or router.tenant_max_priority[tenant]); above it, or malformed, is a 400
 naming the field. Lower priorities are always allowed (down to MIN_PRIORITY).

@@ -108,6 +108,48 @@ class BlockManager:
             hashes.append(h)
         return PrefixMatch(ids, hashes, len(ids) * self.block_size)
 
+    def match_hashes(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The blocks indexed under the leading run of `block_hashes` (a chain: each names its whole prefix),
+        for a caller that has the hashes but not the tokens yet (decode's grant). Read-only: `acquire` them,
+        and check them against the tokens with `prefix_error` once those come."""
+        out: list[int] = []
+        for h in block_hashes:
+            b = self._index.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def prefix_error(self, block_ids: Sequence[int], token_ids: Sequence[int], seed: bytes | None = None) -> str | None:
+        """None when `block_ids` hold exactly the leading full blocks of `token_ids` (each block's chained hash
+        under `seed` and its very tokens); else why not."""
+        n = len(block_ids)
+        if n * self.block_size > len(token_ids):
+            return f"{n} blocks for a prompt of {len(token_ids)} tokens"
+        for i, (b, h) in enumerate(zip(block_ids, self._hash_chain(token_ids, 0, n, seed))):
+            self._check_id(b)
+            if self._hash[b] != h or self._tokens[b] != self._block_tokens(token_ids, i):
+                return f"block {i} (id {b}) does not hold tokens {i * self.block_size}..{(i + 1) * self.block_size - 1}"
+        return None
+
+    def unindex(self, block_ids: Iterable[int]) -> int:
+        """Take blocks out of the prefix index (their content is no longer trusted): a free one turns plain
+        now, a held one when its last owner lets go. Returns how many were indexed."""
+        removed: list[bytes] = []
+        for b in block_ids:
+            self._check_id(b)
+            if not self._is_indexed(b):
+                continue
+            removed.append(self._hash[b])
+            del self._index[self._hash[b]]
+            if self._ref[b] == 0:
+                del self._cached_free[b]
+                self._hash[b] = self._tokens[b] = None
+                self._plain_free[b] = None
+        if removed:
+            self._emit(BlockRemoved(removed))
+        return len(removed)
+
     # ---- ownership ---------------------------------------------------------------------------------
     def acquire(self, block_ids: Iterable[int]) -> None:
         """One more owner per id (repeats count twice). A cached-free block leaves the free pool.

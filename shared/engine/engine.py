@@ -172,17 +172,20 @@ class Engine:
 
     def adopt_prefilled(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
                         params: SamplingParams, block_table: list[int], shown_text: str = "",
-                        priority: int = 0) -> Sequence:
+                        priority: int = 0, tenant: str = "") -> Sequence:
         """Continue a request whose KV arrived from elsewhere (a handoff): KV of every token but the
         last output token is already in `block_table`, whose ownership passes to the sequence.
         `shown_text` is what the client has already been sent, so deltas continue from it. `priority`
-        (higher first): when KV runs out, lower priorities are preempted first."""
+        (higher first): when KV runs out, lower priorities are preempted first. Only the prompt's full blocks
+        (the KV that landed, verified) enter the prefix index, under `tenant`'s namespace: a later request's
+        handoff may reuse them (services/decode/direct.py); blocks this engine decodes never do."""
         self._validate(request_id, prompt_ids, params)
         if not output_ids:
             raise ValueError("a prefilled request carries at least its first output token")
         guide = self.guides.matcher(params.grammar, output_ids) if params.grammar else None  # replayed: see guide.py
         seq = Sequence(request_id, list(prompt_ids), params, token_ids=list(prompt_ids) + list(output_ids),
-                       guide=guide, priority=priority)
+                       guide=guide, priority=priority, hash_seed=self.kv_namespace(tenant).seed if tenant else None,
+                       register_limit=len(prompt_ids) // self.layout.block_size)
         seq.num_computed = len(seq.token_ids) - 1
         if len(block_table) * self.layout.block_size < seq.num_computed:
             raise ValueError(f"block table holds {len(block_table)} blocks, too few for {seq.num_computed} tokens")
@@ -310,6 +313,8 @@ class Engine:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed // self.layout.block_size
+        if seq.register_limit >= 0:
+            full = min(full, seq.register_limit)
         if full > seq.num_registered_blocks:
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, full,
                                                     start_block=seq.num_registered_blocks, seed=seq.hash_seed)

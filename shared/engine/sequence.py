@@ -51,6 +51,7 @@ class Sequence:
     hash_seed: bytes | None = None
     # Wall-clock marks (ns) for traces: queued -> first scheduled -> first token.
     arrival_ns: int = field(default_factory=time.time_ns)
+    register_limit: int = -1  # full blocks that may enter the prefix index (-1: all); decode: the prompt's (landed) only
     priority: int = 0  # agent hint, higher first: srpf weighs the tokens it has left by priority_weight
     first_scheduled_ns: int = 0
     first_token_ns: int = 0

@@ -1,7 +1,8 @@
 """Which KV a session alone uses, so that closing it frees that and nothing another session still needs.
 
 Prefill records, per (tenant, session), the block hashes (device prefix cache) and the chunk digests (pool
-objects) of the session's latest prompt; each later prompt of the session replaces them. Every hash counts
+objects) of the session's latest prompt; each later prompt of the session replaces them. Decode records the
+block hashes of the prompts whose blocks it keeps (decode reuse), without chunks. Every hash counts
 the sessions that hold it. Closing a session returns its hashes no other recorded session holds: a system
 prompt and tools shared with its parent or its sibling subagents stay. Sessions this prefill never saw
 (served elsewhere) are not counted, so a shared prefix may still be freed here: the cost is a recompute or

@@ -49,6 +49,24 @@ def test_hash_only_match_then_the_tokens_check_then_forgetting():
     assert bm.num_cached_blocks == 1 and bm.lookup(hashes[2]) == blocks[2]
 
 
+def test_retained_fraction_bounds_what_finished_requests_keep(tiny):
+    events = []
+    bm = BlockManager(8, 4, b"seed", events.append, max_cached_free=2)
+    tokens = list(range(16))
+    blocks = bm.allocate(4)
+    bm.register_full_blocks(blocks, tokens, 4)
+    bm.release(reversed(blocks))  # tail first: the prefix is the most recently released, kept
+    bm.check_integrity()
+    assert bm.num_cached_blocks == 2 and bm.match_hashes(bm.block_hashes(tokens)) == blocks[:2]
+    assert set(events[-1].block_hashes) == set(bm.block_hashes(tokens)[2:]) and bm.num_free_blocks == 8
+    engine = Engine(tiny, EngineConfig(num_blocks=40, retained_fraction=0.25))
+    assert engine.block_manager.max_cached_free == 10
+    engine.generate([[t % 250 for t in range(300)]], PARAMS)  # 18 full blocks registered, 10 kept
+    assert engine.block_manager.num_cached_blocks == 10
+    with pytest.raises(ValueError, match="retained_fraction"):
+        EngineConfig(retained_fraction=1.5)
+
+
 def test_a_handoff_past_held_blocks_tiles_only_the_rest():
     bb = 100
     assert tiling_error([[2, 1, 0, 100, 5]], 3, bb, first_block=2) is None

@@ -40,9 +40,14 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = BLOCK_TOKENS, hash_seed: bytes = b"",
-                 on_event: Callable[[KVEvent], None] | None = None) -> None:
+                 on_event: Callable[[KVEvent], None] | None = None, max_cached_free: int | None = None) -> None:
+        """`max_cached_free`: at most this many cached-free blocks are kept (None: all); a release past it
+        evicts the least recently released ones at once (engine.retained_fraction)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if max_cached_free is not None and max_cached_free < 0:
+            raise ValueError("max_cached_free must not be negative")
+        self.max_cached_free = max_cached_free
         self._num_blocks = num_blocks
         self.block_size = block_size
         self.hash_seed = hash_seed
@@ -185,6 +190,19 @@ class BlockManager:
                 else:
                     self._hash[b] = self._tokens[b] = None
                     self._plain_free[b] = None
+        if self.max_cached_free is not None and len(self._cached_free) > self.max_cached_free:
+            self._evict(len(self._cached_free) - self.max_cached_free)
+
+    def _evict(self, n: int) -> None:
+        """The n least recently released cached-free blocks turn plain (one BlockRemoved)."""
+        evicted = []
+        for _ in range(n):
+            b = self._cached_free.popitem(last=False)[0]
+            evicted.append(self._hash[b])
+            del self._index[self._hash[b]]
+            self._hash[b] = self._tokens[b] = None
+            self._plain_free[b] = None
+        self._emit(BlockRemoved(evicted))
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free_blocks
@@ -326,6 +344,8 @@ class BlockManager:
         assert not unindexed, f"cached free pool holds unindexed blocks {unindexed}"
         hashed = [b for b in plain if self._hash[b] is not None]
         assert not hashed, f"plain free pool holds hashed (or indexed) blocks {hashed}"
+        assert self.max_cached_free is None or len(cached) <= self.max_cached_free, \
+            f"{len(cached)} cached-free blocks, at most {self.max_cached_free} may be kept"
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _is_indexed(self, b: int) -> bool:

@@ -52,6 +52,7 @@ class EngineConfig:
     dtype: str = "float32"            # compute dtype
     kv_dtype: str | None = None       # defaults to dtype
     enable_prefix_cache: bool = True  # reuse full blocks of earlier prompts from device memory
+    retained_fraction: float = 1.0    # most of the KV blocks that finished requests' cached blocks may keep (the rest are evicted LRU at once); they are free KV to the gate and to new requests either way (decode: what a session's next turn is not sent again)
     tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
     chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
@@ -59,6 +60,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         warm_ahead_bytes(self.kv_warm_ahead, 1)  # raises ValueError on a bad value
+        if not 0.0 <= self.retained_fraction <= 1.0:
+            raise ValueError(f"engine.retained_fraction must be in [0, 1], got {self.retained_fraction}")
 
 
 def warm_ahead_bytes(spec: str, pool_bytes: int) -> int:
@@ -112,8 +115,8 @@ class Engine:
         log.info("kv cache", blocks=cfg.num_blocks, tokens=self.kv_sizing.tokens(self.layout.block_size),
                  gib=round(self.kv_sizing.bytes / (1 << 30), 3), sized_by=self.kv_sizing.how)
         self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)
-        self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size,
-                                          namespace_seed(self.namespace), on_kv_event)
+        self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size, namespace_seed(self.namespace),
+                                          on_kv_event, int(cfg.num_blocks * cfg.retained_fraction))
         block_bytes = self.layout.block_size * self.layout.bytes_per_token
         self.page_warmer = PageWarmer(self.pages, warm_ahead_bytes(cfg.kv_warm_ahead, self.kv_sizing.bytes) // block_bytes)
         self.block_manager.on_allocate = self.page_warmer.allocated

@@ -423,8 +423,10 @@ def test_a_session_s_next_turn_prefers_the_decode_that_served_its_last(client, f
         rids.append(raw.headers["x-request-id"])
     first, second = (wait_for(lambda r=r: fake.admit_of(r)) for r in rids)
     assert first.prefer_decode == "" and second.prefer_decode == "decode-0"
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=2)
-    assert wait_for(lambda: fake.admit_of(raw.headers["x-request-id"])).prefer_decode == ""  # no session: none
+    # no header: the session is the conversation's (router/conversation.py), new here, so no decode yet
+    fresh = [{"role": "user", "content": "a conversation no earlier test had"}]
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=fresh, max_tokens=2)
+    assert wait_for(lambda: fake.admit_of(raw.headers["x-request-id"])).prefer_decode == ""
 
 
 @pytest.mark.parametrize("extra_body, headers, param", [

@@ -120,6 +120,31 @@ def test_srpf_a_higher_priority_prompt_goes_first_by_its_weight_and_past_the_cap
     assert priority_weight(0) == 1.0 and priority_weight(3) == 4.0 and priority_weight(-3) == 0.25
 
 
+def test_srpf_steps_stay_short_for_others_while_priority_traffic_is_recent():
+    """Within priority_window_s of a priority arrival the other prompts share priority_step_tokens a step, so
+    the next priority prompt waits for a short step at most; a priority prompt itself is not held to it, and
+    with no priority traffic (or once the window passed) the whole budget is used."""
+    clock = Clock()
+    sched = Scheduler(BlockManager(2048, B, b"ns"), 300, 32, True,
+                      SchedulePolicy("srpf", 200, 30.0, priority_step_tokens=100, priority_window_s=60.0),
+                      clock_ns=clock)
+    sched.add(seq(clock, "a", [5] * 1000))
+    sched.add(seq(clock, "b", [6] * 1000))
+    assert run_step(sched) == {"a": 200, "b": 100}           # no priority yet: the whole budget
+    urgent = seq(clock, "urgent", [3] * 400)
+    urgent.priority = 2
+    sched.add(urgent)
+    assert run_step(sched) == {"urgent": 300}                 # not held to the short step
+    assert run_step(sched) == {"urgent": 100}
+    assert sum(run_step(sched).values()) == 100               # then the others: 100 a step in all
+    clock.ns += 59 * S
+    assert sum(run_step(sched).values()) == 100
+    clock.ns += 2 * S                                         # the window passed: the whole budget again
+    assert sum(run_step(sched).values()) == 300
+    with pytest.raises(ValueError, match="priority_step_tokens"):
+        SchedulePolicy("srpf", priority_step_tokens=-1)
+
+
 def test_srpf_a_low_priority_prompt_still_gets_its_turn_by_aging():
     sched, clock = make("srpf", budget=300, cap=300, aging_s=10.0)
     low = seq(clock, "low", [3] * 400)

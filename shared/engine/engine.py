@@ -48,6 +48,8 @@ class EngineConfig:
     schedule: str = "srpf"            # prefill order: srpf (shortest remaining prefill first, aged) or fcfs
     long_prefill_tokens: int = 256    # srpf: most tokens one prompt computes per step, so steps stay short (0 = max_batched_tokens)
     schedule_aging_s: float = 30.0    # srpf: a prompt's remaining tokens count half after waiting this long (no starvation)
+    priority_step_tokens: int = 512   # srpf: within priority_window_s of a prompt with priority > 0 (agent hints), the others compute at most this many tokens per step in all, so the next priority prompt waits for a short step at most (0 = off; priority prompts are not held to it)
+    priority_window_s: float = 60.0   # srpf: how long after the last priority prompt arrived steps stay that short
     device: str = "cpu"               # torch device
     dtype: str = "float32"            # compute dtype
     kv_dtype: str | None = None       # defaults to dtype

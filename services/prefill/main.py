@@ -106,13 +106,12 @@ class PrefillService:
             blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, ns.seed if msg.tenant else None)
             p.block_hashes = blocks if reuse else []
             if msg.session_id:
-                self._record_session(msg, blocks)
+                self._record_session(msg, blocks, ns.seed)
         return Ack(msg.request_id, True)
 
-    def _record_session(self, msg: PrefillSubmit, blocks: list[bytes]) -> None:
-        """The session's latest prompt, as block hashes and chunk digests."""
-        ns = self.engine.kv_namespace(msg.tenant)
-        chunks = chunk_hashes(msg.prompt_ids, ns.seed, self.engine.layout.chunk_tokens) if self.pool else ()
+    def _record_session(self, msg: PrefillSubmit, blocks: list[bytes], seed: bytes) -> None:
+        """The session's latest prompt, as block hashes and chunk digests (its namespace's `seed`)."""
+        chunks = chunk_hashes(msg.prompt_ids, seed, self.engine.layout.chunk_tokens) if self.pool else ()
         self.sessions.record((msg.tenant, msg.session_id), SessionKV(tuple(blocks), tuple(chunks)))
 
     async def on_session_close(self, msg: SessionClose, raw) -> None:

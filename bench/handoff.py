@@ -53,6 +53,7 @@ from bench.handoff_floor import FloorTE
 from bench.overhead import bench_overhead, breakdown
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
+from shared.engine.sampling import SamplingParams
 from shared.messages import HandoffDone
 from shared.tracing import read_spans
 from shared.transfer import DEFAULT_MAX_BATCH as MAX_BATCH
@@ -139,7 +140,7 @@ def bench_handoff(client, launcher, model: str, vocab: int, p: dict, g: torch.Ge
             window = DEFAULT_SLOT_BYTES  # the handoff's windows: exactly one slot each, the last one shorter
             pieces = [length for _, length in plan_writes(nbytes, window)]
             assert len(pieces) == writes == -(-nbytes // DEFAULT_SLOT_BYTES), (pieces, writes)
-        done = HandoffDone(rid, ids, [], "", {"max_tokens": 2}, {"device": n},
+        done = HandoffDone(rid, ids, [], "", SamplingParams(max_tokens=2), {"device": n},
                            pages=[])  # the request's size on the bus: FloorTE adds a page entry per piece
         raw, floor, raw_s, floor_s, reps = RawTE(pieces), FloorTE(pieces, launcher.nats.url, done), [], [], []
         try:  # raw and floor writes interleaved with the handoff repeats: all see the same machine load

@@ -45,6 +45,7 @@ from bench._util import machine_info, md_table, percentile, write_result
 from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.engine.models import load_tokenizer
+from shared.engine.sampling import SamplingParams
 from shared.messages import Ack, PrefillSubmit, TokenChunk
 from shared.tracing import read_spans
 from infra.up import Launcher, UpConfig
@@ -123,7 +124,7 @@ async def bench_overhead(base: str, nats_url: str, model: str, vocab: int, p: di
     """(a) via router vs (b) direct, interleaved; p: overhead_n, overhead_warm, client. Marks for the breakdown."""
     bus = await Bus.connect(BusConfig(url=nats_url), "bench-overhead")
     subjects, router_ms, direct_ms, router_marks, direct_marks, floor_ms = bus.subjects, [], [], [], [], []
-    sampling = dict(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=True)
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = lambda: torch.randint(0, vocab, (32,), generator=g).tolist()  # noqa: E731
 
     async def via_router(client: HttpClient) -> tuple[float, dict]:

@@ -1,7 +1,10 @@
 """Every message on the bus, in one place. msgpack maps with a schema version and a kind.
 
-Decoding tolerates unknown fields (a newer sender may add some) and rejects a wrong kind, a newer major
-version, a missing required field or a field of the wrong primitive type with a clear MessageError.
+Each message is a msgspec Struct: its fields are the wire schema, typed all the way down (the sampling
+parameters travel as the one SamplingParams struct the router built, checked by its own __post_init__ on
+every decode). Decoding tolerates unknown message fields (a newer sender may add some) and rejects a wrong
+kind, a newer major version, a missing required field or a value of the wrong type with a MessageError that
+names the field's path.
 KV bytes never travel here: see shared/bus.py for the size guard.
 
 Token id lists (fields typed `TokenIds`) travel packed: one msgpack bin of little-endian uint32, 4 bytes
@@ -11,15 +14,13 @@ plain list is still accepted on decode (older senders).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
 import typing
-from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
-import msgpack
+import msgspec
 import numpy as np
+
+from shared.engine.sampling import SamplingParams
 
 SCHEMA_VERSION = 1
 
@@ -54,68 +55,40 @@ def _packed_fields(cls) -> frozenset[str]:
                      if typing.get_origin(tp) is Annotated and _PACKED in tp.__metadata__)
 
 
-_PRIMITIVES = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,),
-               list: (list, tuple), dict: (dict,)}
-
-
-def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> None:
-    """Top-level primitive check: the container kind, not its items (those are the handler's job)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return
-        alternatives = [a for a in typing.get_args(tp) if a is not type(None)]
-    else:
-        alternatives = [tp]
-    if value is None:
-        raise MessageError(f"{cls_name}.{name} must not be null")
-    for a in alternatives:
-        base = typing.get_origin(a) or a
-        ok = _PRIMITIVES.get(base)
-        if ok is None or (isinstance(value, ok) and not (base in (int, float) and isinstance(value, bool))):
-            return
-    expected = " or ".join(getattr(a, "__name__", str(a)) for a in alternatives)
-    raise MessageError(f"{cls_name}.{name}: expected {expected}, got {type(value).__name__}")
-
-
-@functools.cache
-def _schema(cls: type) -> tuple[dict[str, Any], tuple[dataclasses.Field, ...]]:
-    """A message class's resolved field types and fields, once per class: typing.get_type_hints evaluates
-    every annotation string again on each call (~15% of the router's CPU per request, py-spy)."""
-    return typing.get_type_hints(cls), dataclasses.fields(cls)
-
-
-class Message:
+class Message(msgspec.Struct):
+    """A bus message: a msgspec Struct whose fields are its wire schema. Decoding converts the msgpack map
+    with msgspec (strict types, nested structs such as SamplingParams checked by their own __post_init__),
+    after unpacking the TokenIds fields; an error names the field."""
     KIND: ClassVar[str]
     PACKED: ClassVar[frozenset[str]] = frozenset()  # TokenIds fields (set by @message)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in _schema(type(self))[1]}
+        return msgspec.structs.asdict(self)
 
     def encode(self) -> bytes:
         data = self.to_dict()
         for name in self.PACKED:
             data[name] = pack_token_ids(data[name])
-        return msgpack.packb({"v": SCHEMA_VERSION, "kind": self.KIND, **data}, use_bin_type=True)
+        try:
+            return _ENCODER.encode({"v": SCHEMA_VERSION, "kind": self.KIND, **data})
+        except (TypeError, OverflowError) as e:
+            raise MessageError(f"{self.KIND}: cannot encode ({e})") from None
 
     @classmethod
     def from_dict(cls, data: dict) -> "Message":
-        hints, fields = _schema(cls)
-        kwargs = {}
-        for f in fields:
-            if f.name in data:
-                value = data[f.name]
-                if f.name in cls.PACKED and isinstance(value, bytes):
-                    value = unpack_token_ids(value)
-                _check_type(cls.__name__, f.name, value, hints[f.name])
-                kwargs[f.name] = value
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{cls.__name__}: missing required field {f.name!r}")
-        return cls(**kwargs)
+        data = dict(data)
+        for name in cls.PACKED:
+            if isinstance(data.get(name), bytes):
+                data[name] = unpack_token_ids(data[name])
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise MessageError(f"{cls.__name__}: {_field_path(cls, str(e))}") from None
 
     @classmethod
     def decode(cls, raw: bytes) -> "Message":
         try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            data = _DECODER.decode(raw)
         except Exception as e:
             raise MessageError(f"{cls.__name__}: not valid msgpack ({type(e).__name__}: {e})") from None
         if not isinstance(data, dict):
@@ -128,10 +101,22 @@ class Message:
         return cls.from_dict(data)
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder()
+
+
+def _field_path(cls: type, error: str) -> str:
+    """msgspec's "<what> - at `$.sampling.max_tokens`" as "PrefillSubmit.sampling.max_tokens: <what>", and its
+    "missing required field `x`" naming the field as 'x'."""
+    what, sep, where = error.rpartition(" - at `$")
+    if sep:
+        return f"{cls.__name__}{where.rstrip('`')}: {what}"
+    return error.replace("field `", "field '").replace("`", "'")
+
+
 def message(kind: str):
-    """Class decorator: a frozen-free dataclass registered under `kind`."""
+    """Class decorator: registers a Message subclass under `kind`."""
     def wrap(cls):
-        cls = dataclass(cls)
         cls.KIND = kind
         cls.PACKED = _packed_fields(cls)
         KINDS[kind] = cls
@@ -190,7 +175,7 @@ class Holdings(Message):
 class PrefillSubmit(Message):
     request_id: str
     prompt_ids: TokenIds
-    sampling: dict  # SamplingParams fields
+    sampling: SamplingParams
     decode_instance: str  # "": not admitted yet (overlapped admission): a DecodeAssign or a Cancel follows
     session_id: str | None = None
     tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
@@ -211,7 +196,7 @@ class Ack(Message):
     request_id: str
     ok: bool
     error: str = ""
-    stats: dict = field(default_factory=dict)  # e.g. decode's scatter time, for the handoff span
+    stats: dict = msgspec.field(default_factory=dict)  # e.g. decode's scatter time, for the handoff span
 
 
 @message("slot_request")
@@ -228,7 +213,7 @@ class SlotRequest(Message):
 class SlotGrant(Message):
     request_id: str
     endpoint: str = ""                                # decode's transfer-engine endpoint
-    slots: list = field(default_factory=list)         # [[slot_id, addr, nbytes], ...]
+    slots: list = msgspec.field(default_factory=list)         # [[slot_id, addr, nbytes], ...]
     error: str = ""
     fatal: bool = False  # asking again cannot help (cancelled, layout mismatch, malformed); else: no room yet, ask again
 
@@ -238,7 +223,7 @@ class SlotsFilled(Message):
     """Prefill wrote these slots: bytes [offset, offset + nbytes) of the request's rank buffer."""
     request_id: str
     pieces: list                                      # [[slot_id, offset, nbytes], ...]
-    crcs: list = field(default_factory=list)          # CRC-32C of each piece's bytes, in pieces' order
+    crcs: list = msgspec.field(default_factory=list)          # CRC-32C of each piece's bytes, in pieces' order
     #   (shared/handoff_check.py). Optional on the wire so older messages still decode, but every sender
     #   fills it and decode refuses pieces without one: the request fails (503), unverified bytes never land.
 
@@ -252,7 +237,7 @@ class PagesRequest(Message):
     prefill_instance: str
     num_tokens: int
     block_layout: list
-    block_hashes: list = field(default_factory=list)  # the prompt's full blocks' chained hashes (its tenant's
+    block_hashes: list = msgspec.field(default_factory=list)  # the prompt's full blocks' chained hashes (its tenant's
     #   namespace): decode grants the leading ones it still holds as `reused` and prefill writes only the rest
 
 
@@ -260,7 +245,7 @@ class PagesRequest(Message):
 class PagesGrant(Message):
     request_id: str
     endpoint: str = ""                                # decode's transfer-engine endpoint
-    runs: list = field(default_factory=list)          # the request's blocks, in order: [[addr, count], ...] of
+    runs: list = msgspec.field(default_factory=list)          # the request's blocks, in order: [[addr, count], ...] of
     #   `count` consecutive blocks from address `addr`
     block_bytes: int = 0                              # bytes of one block (all layers, K and V)
     reused: int = 0                                   # leading blocks decode already holds (PagesRequest.block_hashes):
@@ -283,7 +268,7 @@ class PagesLanded(Message):
     the others are still on the wire): decode may verify these now, beside the rest of the write. Only a
     head start: HandoffDone still lists every write, and decode checks whatever it has not checked yet."""
     request_id: str
-    pages: list = field(default_factory=list)          # [[first, count, offset, nbytes, crc32c]], as HandoffDone.pages
+    pages: list = msgspec.field(default_factory=list)          # [[first, count, offset, nbytes, crc32c]], as HandoffDone.pages
 
 
 @message("handoff_done")
@@ -293,14 +278,14 @@ class HandoffDone(Message):
     prompt_ids: TokenIds
     output_ids: TokenIds
     shown_text: str
-    sampling: dict
+    sampling: SamplingParams
     token_sources: dict                                # {"device": n, "store": n, "computed": n}
-    handoff: dict = field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
+    handoff: dict = msgspec.field(default_factory=dict)        # bytes, writes, gather/write ms (for the trace)
     router: str = ""                                   # the router instance the request came from (its Holdings)
     priority: int = 0                                  # agent hint, higher first: decode preempts lower priorities first
     tenant: str = ""                                   # the KV namespace its blocks are indexed under (decode reuse)
     session_id: str = ""                               # decode frees the blocks it keeps for it when the session is closed
-    pages: list = field(default_factory=list)          # direct handoff: [[first, count, offset, nbytes, crc32c]]
+    pages: list = msgspec.field(default_factory=list)          # direct handoff: [[first, count, offset, nbytes, crc32c]]
     #   per write (byte range [offset, offset + nbytes) of the granted blocks first..first+count-1, which
     #   are consecutive in decode's pages); empty: the KV came through landing slots (SlotsFilled)
 
@@ -342,7 +327,7 @@ class LoadReport(Message):
     waiting: int = 0
     queued_tokens: int = 0       # prompt tokens not yet computed (prefill)
     endpoint: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: dict = msgspec.field(default_factory=dict)
     boot: str = ""               # this process's incarnation (the runtime fills it in): a new one = restarted
 
 
@@ -371,12 +356,21 @@ class KVEventBatch(Message):
 def decode_any(raw: bytes) -> Message:
     """Decode by the message's own kind (for tools that watch several subjects)."""
     try:
-        kind = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("kind")
+        kind = _DECODER.decode(raw).get("kind")
     except Exception as e:
         raise MessageError(f"not a moorage message: {e}") from None
     if not isinstance(kind, str) or kind not in KINDS:
         raise MessageError(f"unknown message kind {kind!r}")
     return KINDS[kind].decode(raw)
+
+
+def request_id_of(raw: bytes) -> str:
+    """A message's request_id, best effort, for answering one that failed to decode ("" when none)."""
+    try:
+        rid = _DECODER.decode(raw).get("request_id")
+    except Exception:
+        return ""
+    return rid if isinstance(rid, str) else ""
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, sources: dict) -> dict:

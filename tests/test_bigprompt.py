@@ -23,7 +23,7 @@ from infra.up import UpConfig, launched
 from tests.natsbus import nats_url
 
 MILLION = 1_000_000
-SAMPLING = {"max_tokens": 8, "temperature": 0.0}
+SAMPLING = SamplingParams(max_tokens=8)
 
 
 def ids_of(n: int, vocab: int = 200_000) -> list[int]:

@@ -9,6 +9,7 @@ import uuid
 import pytest
 from opentelemetry import trace
 
+from shared.engine.sampling import SamplingParams
 from shared import tracing
 from shared.bus import DEFAULT_MAX_MESSAGE_BYTES, Bus, BusConfig, PayloadTooLarge, Subjects
 from shared.messages import Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, MessageError, PrefillSubmit, Release
@@ -136,7 +137,7 @@ async def test_queue_group_delivers_once(bus, other):
 
 def big_submit(n: int = 2_100_000) -> PrefillSubmit:
     # ids travel packed, 4 bytes each: 2.1M of them are ~8.4 MB, over the default cap (8 MiB - 64 KiB)
-    return PrefillSubmit("big", [256 + i % 30000 for i in range(n)], {"max_tokens": 1}, "decode-0")
+    return PrefillSubmit("big", [256 + i % 30000 for i in range(n)], SamplingParams(max_tokens=1), "decode-0")
 
 
 async def test_payload_too_large_is_never_sent(bus, other):

@@ -79,7 +79,7 @@ async def test_cancel_during_adoption_aborts_the_adopted_request(decode, engine,
     slot_id, n = reply.slots[0][0], len(prompt) * zone.token_bytes
     ack = await zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))]))
     assert ack.ok
-    params = SamplingParams(max_tokens=200, ignore_eos=True).to_dict()
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
     ack = await decode.on_landed(
         HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0, "computed": len(prompt)}), None)
     assert ack.ok  # the KV is decode's: the Ack goes out before the engine adopts the request
@@ -97,7 +97,7 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
     svc = PrefillService(service_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("prefill me and hand me off " * 3)
     seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
-    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None, seq)
+    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, SamplingParams(), "decode-0"), None, seq)
     cancel = asyncio.create_task(svc.on_cancel(Cancel("r1", "client closed"), None))
     await asyncio.sleep(0)  # the abort is queued behind the step below
     outputs = engine.step()  # the step already running when the cancel came: it finishes "prefilled"
@@ -114,7 +114,7 @@ async def test_cancel_racing_the_prefill_step_frees_the_kept_kv(engine, tiny):
 async def test_cancel_while_the_request_is_being_added_lets_nothing_run(engine, tiny):
     svc = PrefillService(service_ctx("prefill"), engine, sender=None)
     prompt = tiny.tokenizer.encode("cancel me before I run " * 3)
-    svc.pending["r1"] = p = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None)
+    svc.pending["r1"] = p = Pending(PrefillSubmit("r1", prompt, SamplingParams(), "decode-0"), None)
     svc.loop.start()
     admit = asyncio.create_task(svc._admit(p, SamplingParams(max_tokens=8)))
     await asyncio.sleep(0)  # the admission is under way (the add itself does not wait for a step)
@@ -137,7 +137,7 @@ async def test_cancel_before_the_handoff_task_first_runs_frees_its_kv(engine, ti
     svc = PrefillService(service_ctx("prefill"), engine, sender=NoSend())
     prompt = tiny.tokenizer.encode("hand me off, then forget me " * 3)
     seq = engine.add_request("r1", prompt, SamplingParams(max_tokens=8), prefill_only=True)
-    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, {}, "decode-0"), None, seq)
+    svc.pending["r1"] = Pending(PrefillSubmit("r1", prompt, SamplingParams(), "decode-0"), None, seq)
     outputs = engine.step()
     assert outputs[0].finish_reason == "prefilled"
     await svc.on_outputs(outputs)  # spawns the handoff task; it has not run yet

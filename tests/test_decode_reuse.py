@@ -119,7 +119,7 @@ async def _turn(h, p_engine, rid, prompt, tamper=None, hashes=True):
         pass
     table = list(seq.block_table)
     done = HandoffDone(rid, list(prompt) if tamper is None else tamper(list(prompt)), seq.output_ids,
-                       seq.output_text, PARAMS.to_dict(), {"device": 0, "store": 0, "computed": len(prompt)})
+                       seq.output_text, PARAMS, {"device": 0, "store": 0, "computed": len(prompt)})
     block_hashes = p_engine.block_manager.block_hashes(prompt) if hashes else []
     try:
         stats = await h.direct.send("decode-0", rid, table, len(prompt), done, block_hashes=block_hashes)

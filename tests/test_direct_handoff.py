@@ -124,7 +124,7 @@ def _prefill(engine: Engine, rid: str, prompt: list[int], params: SamplingParams
     while not engine.step():
         pass
     return list(seq.block_table), HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text,
-                                              params.to_dict(), {"device": 0, "store": 0, "computed": len(prompt)})
+                                              params, {"device": 0, "store": 0, "computed": len(prompt)})
 
 
 async def _generated(h, bus, engine, rid, prompt, params) -> tuple[list[int], object]:
@@ -358,7 +358,7 @@ async def _dropped_grants(decode, engine: Engine) -> None:
     # a HandoffDone for a dropped request ends its quarantine too, and is refused
     grant = await decode.direct.grant(PagesRequest("r3", "prefill-0", 20, layout.block_layout))
     await decode.zone.drop("r3")
-    ack = await decode.on_landed(HandoffDone("r3", [1] * 20, [2], "", {}, {}, pages=[[0, 2, 0, 2 * layout.block_bytes, 0]]), None)
+    ack = await decode.on_landed(HandoffDone("r3", [1] * 20, [2], "", SamplingParams(), {}, pages=[[0, 2, 0, 2 * layout.block_bytes, 0]]), None)
     assert not ack.ok and await free() == NUM_BLOCKS and not decode.zone.quarantine
     unsupported = await decode.direct.grant(PagesRequest("r4", "prefill-0", 20, layout.block_layout[:-1] + [32]))
     assert unsupported.unsupported and not unsupported.runs and "r4" not in decode.zone.landings
@@ -433,7 +433,7 @@ async def test_writes_told_landed_early_are_checked_once_and_a_bad_one_still_ref
                 return spans
 
             def done(rid: str, writes: list) -> HandoffDone:
-                return HandoffDone(rid, [1] * 4 * bs, [2], "", {}, {}, pages=writes)
+                return HandoffDone(rid, [1] * 4 * bs, [2], "", SamplingParams(), {}, pages=writes)
 
             spans = await granted("r1")
             writes = [[i, 1, 0, bb, checksum(span)] for i, span in enumerate(spans)]

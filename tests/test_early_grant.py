@@ -60,7 +60,7 @@ async def _service(tiny, *requests: tuple[str, str, int]) -> tuple[PrefillServic
     for rid, decode, max_tokens in requests:
         params = SamplingParams(max_tokens=max_tokens)
         seq = engine.add_request(rid, [1, 2, 3], params, prefill_only=True, retain_kv=True)
-        svc.pending[rid] = Pending(PrefillSubmit(rid, [1, 2, 3], params.to_dict(), decode), None, seq)
+        svc.pending[rid] = Pending(PrefillSubmit(rid, [1, 2, 3], params, decode), None, seq)
     return svc, direct
 
 

@@ -285,7 +285,7 @@ async def test_decode_fails_the_adopted_request_and_reports_when_dead(engine, ti
         assert (await zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))]))).ok
         fail_once(monkeypatch, engine.runner, "run", RuntimeError(SAMPLER_ERROR))
         failed = signal_failures(svc)
-        params = SamplingParams(max_tokens=20, ignore_eos=True).to_dict()
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
         ack = await svc.on_landed(HandoffDone("r1", prompt, [5], "", params,
                                               {"device": 0, "store": 0, "computed": len(prompt)}), None)
         assert ack.ok

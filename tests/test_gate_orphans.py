@@ -21,6 +21,7 @@ from services.router.config import RouterSettings
 from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
 from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
+from shared.engine.sampling import SamplingParams
 from shared.bus import Subjects
 from shared.logging import get_logger
 from shared.messages import AdmitReply, LoadReport
@@ -146,7 +147,7 @@ async def test_an_admit_held_by_a_gate_that_goes_ends_when_the_gate_is_gone_not_
     state = RouterState(settings, SilentGateBus(), None, 4096, loads, make_picker("p2c", loads, 60.0))
     for role in ("gate", "decode", "prefill"):
         state.picker.update(LoadReport(f"{role}-0", role, True, 1000, 1000), state.clock())
-    d = Dispatch(state, Job("req-1", None, [1, 2, 3], 4, {}), opentelemetry.trace.INVALID_SPAN,
+    d = Dispatch(state, Job("req-1", None, [1, 2, 3], SamplingParams(max_tokens=4)), opentelemetry.trace.INVALID_SPAN,
                  get_logger("test"), time.monotonic() + 60)
     start = asyncio.create_task(d.start())
     await asyncio.wait_for(asked.wait(), 5)
@@ -204,7 +205,7 @@ async def _dispatch(bus) -> tuple[RouterState, Dispatch]:
     state = RouterState(settings, bus, None, 4096, loads, make_picker("p2c", loads, 60.0))
     for role in ("gate", "decode", "prefill"):
         state.picker.update(LoadReport(f"{role}-0", role, True, 1000, 1000), state.clock())
-    return state, Dispatch(state, Job("req-1", None, [1, 2, 3], 4, {}), opentelemetry.trace.INVALID_SPAN,
+    return state, Dispatch(state, Job("req-1", None, [1, 2, 3], SamplingParams(max_tokens=4)), opentelemetry.trace.INVALID_SPAN,
                            get_logger("test"), time.monotonic() + 60)
 
 

@@ -226,7 +226,7 @@ async def test_a_slot_corrupted_in_flight_by_a_second_write_fails_the_handoff_cl
                     seq = p_engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
                     while not p_engine.step():
                         pass
-                    done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, params.to_dict(),
+                    done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, params,
                                        {"device": 0, "store": 0, "computed": len(prompt)})
                     return list(seq.block_table), done
 

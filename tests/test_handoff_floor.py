@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from bench.handoff_floor import FloorTE
+from shared.engine.sampling import SamplingParams
 from shared.messages import HandoffDone
 
 
 def _done(pieces: list[int]) -> HandoffDone:
-    return HandoffDone("req-floor", list(range(64)), [], "", {"max_tokens": 2}, {"device": 64},
+    return HandoffDone("req-floor", list(range(64)), [], "", SamplingParams(max_tokens=2), {"device": 64},
                        pages=[])
 
 

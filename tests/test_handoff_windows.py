@@ -75,7 +75,7 @@ async def test_slot_sized_windows_land_exactly(tiny, case, register_pages):
                 pass
             table = list(seq.block_table)
             expected_kv = gather_for_ranks(p_engine.pages, table, len(prompt), 1, layout)[0]
-            done = HandoffDone("r1", seq.prompt_ids, seq.output_ids, seq.output_text, params.to_dict(),
+            done = HandoffDone("r1", seq.prompt_ids, seq.output_ids, seq.output_text, params,
                                {"device": 0, "store": 0, "computed": len(prompt)})
             adopted = _snapshot_on_take(decode.zone, len(prompt))
             stats = await sender.send("decode-0", "r1", table, len(prompt), done)
@@ -116,7 +116,7 @@ async def test_overlapping_piece_is_refused_and_done_waits_for_the_last_piece(de
     overlap = await zone.filled(_piece(zone, b, cut - 8, data[cut - 8:cut + 8]))
     assert not overlap.ok and "bad piece" in overlap.error
     assert 3 in zone.landings["r1"].seams  # token 3's first half waits for the rest
-    params = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
     adopted = _snapshot_on_take(zone, len(prompt))
     adopt = asyncio.create_task(decode.on_landed(
         HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0, "computed": len(prompt)}), None))

@@ -107,7 +107,7 @@ async def test_decode_stops_generating_for_a_router_that_no_longer_holds_the_req
                                              max_slots=2))
         slot_id, n = reply.slots[0][0], len(prompt) * zone.token_bytes
         assert (await zone.filled(SlotsFilled("r1", [[slot_id, 0, n]], [checksum(zone.slots.view(slot_id, n))]))).ok
-        params = SamplingParams(max_tokens=200, ignore_eos=True).to_dict()  # far from done when it ends
+        params = SamplingParams(max_tokens=200, ignore_eos=True)  # far from done when it ends
         ack = await decode.on_landed(HandoffDone("r1", prompt, [5], "", params, {"device": 0, "store": 0,
                                                                                  "computed": len(prompt)},
                                                  router="router-0"), None)

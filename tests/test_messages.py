@@ -3,15 +3,15 @@ with a MessageError that says what is wrong."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgpack
+import msgspec
 import pytest
 
 from shared import messages as m
+from shared.engine.sampling import SamplingParams
 from shared.messages import KINDS, SCHEMA_VERSION, MessageError, decode_any, error_info, make_usage
 
-SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 16, "stop": ["\n"], "seed": 3}
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, stop=("\n",), seed=3)
 
 SAMPLES: dict[str, m.Message] = {
     "admit": m.AdmitRequest("r1", prompt_tokens=120, max_tokens=64, decode_instance="decode-0"),
@@ -77,8 +77,7 @@ def test_defaults_round_trip(kind):
     """Only the required fields given: the defaults survive too (and default containers are not shared)."""
     cls = KINDS[kind]
     full = SAMPLES[kind]
-    required = {f.name: getattr(full, f.name) for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    required = {f.name: getattr(full, f.name) for f in msgspec.structs.fields(cls) if f.required}
     msg = cls(**required)
     assert cls.decode(msg.encode()) == msg
 
@@ -94,8 +93,7 @@ def test_unknown_fields_are_tolerated(kind):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_missing_required_field_is_named(kind):
     cls = KINDS[kind]
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [f.name for f in msgspec.structs.fields(cls) if f.required]
     assert required
     for name in required:
         data = raw_of(SAMPLES[kind])
@@ -214,7 +212,7 @@ def test_every_token_id_list_is_packed():
 @pytest.mark.parametrize("cls, field", PACKED)
 def test_token_ids_travel_as_little_endian_uint32(cls, field):
     ids = [0, 1, 255, 256, 65535, 65536, 2**32 - 1]
-    msg = dataclasses.replace(SAMPLES[cls.KIND], **{field: ids})
+    msg = msgspec.structs.replace(SAMPLES[cls.KIND], **{field: ids})
     wire = msgpack.unpackb(msg.encode(), raw=False)[field]
     assert isinstance(wire, bytes) and wire == b"".join(i.to_bytes(4, "little") for i in ids)
     out = cls.decode(msg.encode())
@@ -255,3 +253,43 @@ def test_tenant_defaults_to_the_deployment_namespace():
     del data["tenant"]
     assert m.PrefillSubmit.decode(pack(data)).tenant == ""
     assert m.PrefillSubmit.decode(SAMPLES["prefill_submit"].encode()).tenant == "acme"
+
+
+# ---- the typed sampling contract ------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [m.PrefillSubmit, m.HandoffDone])
+@pytest.mark.parametrize("change, says", [
+    ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+    ({"max_tokens": True}, "Expected `int`, got `bool`"),
+    ({"temperature": "hot"}, "Expected `float`, got `str`"),
+    ({"top_p": 2.0}, "top_p must be in"),
+    ({"stop": ["x"] * 17}, "at most 16 stop sequences"),
+    ({"grammar": "start: x", "ignore_eos": True}, "ignore_eos cannot be set"),
+    ({"best_of": 3}, "unknown field `best_of`"),
+])
+def test_sampling_is_checked_by_its_own_type_on_every_decode(cls, change, says):
+    """Prefill and decode take the router's SamplingParams back off the bus only through SamplingParams'
+    own checks: a bad value or a field this version does not know is a MessageError naming the path."""
+    data = raw_of(SAMPLES[cls.KIND])
+    data["sampling"] = {**data["sampling"], **change}
+    with pytest.raises(MessageError, match=f"{cls.__name__}.sampling") as err:
+        cls.decode(pack(data))
+    assert says in str(err.value)
+
+
+def test_sampling_arrives_as_the_struct_the_router_built():
+    out = m.PrefillSubmit.decode(SAMPLES["prefill_submit"].encode())
+    assert type(out.sampling) is SamplingParams and out.sampling == SAMPLING
+    assert out.sampling.stop == ("\n",) and hash(out.sampling) == hash(SAMPLING)
+    greedy = m.PrefillSubmit.decode(msgspec.structs.replace(
+        SAMPLES["prefill_submit"], sampling=SamplingParams(temperature=1e-9)).encode())
+    assert greedy.sampling.greedy and greedy.sampling.temperature == 0.0  # normalised on the way in too
+
+
+def test_request_id_of_a_message_that_failed_to_decode():
+    """What a service answers a malformed request with (the gate's AdmitReply names it)."""
+    bad = raw_of(SAMPLES["admit"], prompt_tokens="many")
+    with pytest.raises(MessageError):
+        m.AdmitRequest.decode(pack(bad))
+    assert m.request_id_of(pack(bad)) == "r1"
+    assert m.request_id_of(b"\xc1") == "" and m.request_id_of(pack([1])) == ""
+    assert m.request_id_of(pack({"request_id": 7})) == ""

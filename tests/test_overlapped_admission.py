@@ -26,6 +26,7 @@ import nats.errors
 
 from services.router.dispatch import Dispatch, InstanceLost, Job, RouterState
 from services.router.routing import LoadTable, make_picker
+from shared.engine.sampling import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.logging import get_logger
 from shared.bus import Subjects
@@ -33,7 +34,7 @@ from shared.messages import AdmitReply, Cancel, DecodeAssign, LoadReport, Prefil
 from tests.decode_zone import service_ctx
 
 NUM_BLOCKS = 32
-SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def _dispatch(overlap: bool = True, prompt_tokens: int = 100, max_tokens: int = 
     loads = LoadTable(5.0)
     state = RouterState(RouterSettings(model="tiny", overlap_admission=overlap),
                         SimpleNamespace(max_message_bytes=1 << 20), None, 2048, loads, make_picker("p2c", loads, 600.0))
-    job = Job("req-1", None, list(range(prompt_tokens)), max_tokens, {})
+    job = Job("req-1", None, list(range(prompt_tokens)), SamplingParams(max_tokens=max_tokens))
     return Dispatch(state, job, trace.INVALID_SPAN, get_logger("test"), deadline=state.clock() + 60)
 
 
@@ -163,11 +164,11 @@ def test_requests_started_since_the_gates_report_count_against_its_free_budget()
     d = _dispatch()
     _gate(d, free=300)
     assert d._overlap()
-    other = Dispatch(d.state, Job("req-0", None, list(range(100)), 28, {}), trace.INVALID_SPAN,
+    other = Dispatch(d.state, Job("req-0", None, list(range(100)), SamplingParams(max_tokens=28)), trace.INVALID_SPAN,
                      get_logger("test"), deadline=d.state.clock() + 60)
     d.state.live.add(other)  # started after the report: the gate's 300 free tokens no longer hold both
     assert d._overlap()  # 300 - 128 >= 128
-    third = Dispatch(d.state, Job("req-2", None, list(range(100)), 28, {}), trace.INVALID_SPAN,
+    third = Dispatch(d.state, Job("req-2", None, list(range(100)), SamplingParams(max_tokens=28)), trace.INVALID_SPAN,
                      get_logger("test"), deadline=d.state.clock() + 60)
     d.state.live.add(third)
     assert not d._overlap()  # 300 - 256 < 128
@@ -268,7 +269,6 @@ def _complete(base: str, prompt: str, max_tokens: int) -> httpx.Response:
 
 
 def _reference(tiny, prompt: str, max_tokens: int) -> str:
-    from shared.engine.sampling import SamplingParams
 
     engine = Engine(tiny, EngineConfig(num_blocks=256, enable_prefix_cache=False))
     [seq] = engine.generate([tiny.tokenizer.encode(prompt)], SamplingParams(max_tokens=max_tokens, ignore_eos=True))

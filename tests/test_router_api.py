@@ -178,7 +178,7 @@ class FakeCluster:
         pieces = ["Hello", " world", "!"]
         if "[slow]" in text:
             pieces = ["x"] * 100
-        limit = msg.sampling["max_tokens"]
+        limit = msg.sampling.max_tokens
         for i, piece in enumerate(pieces[:limit]):
             if any(c.request_id == rid for c in self.cancels):
                 return
@@ -346,8 +346,8 @@ def test_chat_non_streaming(client, fake):
     assert submit.prompt_ids == prompt_ids and submit.session_id == "sess-A"
     assert submit.decode_instance == "decode-0"
     s = submit.sampling
-    assert s["max_tokens"] == 512 and s["temperature"] == 1.0 and isinstance(s["seed"], int)  # seed fixed
-    assert s["stop"] == [] and s["ignore_eos"] is False
+    assert s.max_tokens == 512 and s.temperature == 1.0 and isinstance(s.seed, int)  # seed fixed
+    assert s.stop == () and s.ignore_eos is False
     admit = next(a for a, _ in fake.admits if a.request_id == rid)
     assert (admit.prompt_tokens, admit.max_tokens) == (len(prompt_ids), 512)
     wait_for(lambda: fake.count("release", rid) == 1)
@@ -389,13 +389,12 @@ def test_chat_parameters_reach_the_prefill(client, fake):
     _, submit, _ = fake.submit_of(raw.headers["x-request-id"])
     flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "part one, two"}]
     assert submit.prompt_ids == TOK.chat_token_ids(flat) and submit.session_id == "corr-1"
-    assert submit.sampling == {"max_tokens": 2, "temperature": 0.0, "top_p": 0.5, "seed": None,
-                               "stop": ["END", "STOP"], "stop_token_ids": [], "ignore_eos": True,
-                               "grammar": ""}
+    assert submit.sampling == SamplingParams(max_tokens=2, temperature=0.0, top_p=0.5, seed=None,
+                                             stop=("END", "STOP"), ignore_eos=True)
     raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=7, seed=123,
                                                            stop="x", temperature=0.7)
     _, submit, _ = fake.submit_of(raw.headers["x-request-id"])
-    assert submit.sampling["seed"] == 123 and submit.sampling["max_tokens"] == 7 and submit.sampling["stop"] == ["x"]
+    assert submit.sampling.seed == 123 and submit.sampling.max_tokens == 7 and submit.sampling.stop == ("x",)
 
 
 @pytest.mark.parametrize("extra_body, headers, want", [
@@ -576,7 +575,7 @@ def test_tiny_temperature_is_served_greedily(http, fake):
     resp = http.post(COMPL, json={**PROBE, "temperature": 1e-300})
     assert resp.status_code == 200, resp.text
     _, submit, _ = fake.submit_of(resp.headers["x-request-id"])
-    assert SamplingParams.from_dict(submit.sampling).greedy  # as prefill and decode read it
+    assert submit.sampling.greedy  # as prefill and decode read it
 
 
 @pytest.mark.parametrize("field,literal", [("temperature", b"NaN"), ("temperature", b"Infinity"),

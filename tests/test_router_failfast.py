@@ -20,6 +20,7 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -141,7 +142,7 @@ def test_the_load_table_drops_an_exited_instance_and_its_late_reports():
     assert loads.fresh("decode", 0.2) == [] and heard == ["decode-0"]
     loads.update(report, 0.3)  # sent by b1 before it died
     assert loads.fresh("decode", 0.3) == []
-    loads.update(dataclasses.replace(report, boot="b2"), 2.0)  # the restarted process
+    loads.update(msgspec.structs.replace(report, boot="b2"), 2.0)  # the restarted process
     assert [v.instance for v in loads.fresh("decode", 2.0)] == ["decode-0"]
     assert not loads.exited(InstanceExited("decode", "decode-0", boot="b0"), 2.1)  # an earlier run: stale
     assert [v.instance for v in loads.fresh("decode", 2.1)] == ["decode-0"] and heard == ["decode-0"]

@@ -100,7 +100,7 @@ class DecodeService:
             await self.zone.drop(rid)
             return Ack(rid, False, f"cannot adopt: {e}")
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            params = msg.sampling  # checked by its type as the message was decoded
             self.engine.check_request(msg.prompt_ids, params)
         except (ValueError, TypeError) as e:
             await self.loop.call(lambda: self.engine.block_manager.release(landing.blocks))

@@ -19,14 +19,13 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-import msgpack
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from services.gate.admission import Admission, Admitted, Invalid, Rejected, Reservation, Wait
 from shared.bus import Bus
 from shared.messages import (AdmitReply, AdmitRequest, Cancel, Holdings, InstanceExited, LoadReport, MessageError,
-                             Release, TokenChunk, error_info)
+                             Release, TokenChunk, error_info, request_id_of)
 from shared.service import ServiceContext
 from shared.tracing import get_tracer
 
@@ -39,15 +38,6 @@ class _Pending:
     raw: Msg
     span: trace.Span | None  # set once the reply is sent (or the admit queued)
     started: float
-
-
-def _request_id_of(data: bytes) -> str:
-    """Best effort, for answering a malformed admit."""
-    with contextlib.suppress(Exception):
-        rid = msgpack.unpackb(data, raw=False, strict_map_key=False).get("request_id")
-        if isinstance(rid, str):
-            return rid
-    return ""
 
 
 class Gate:
@@ -197,7 +187,7 @@ class Gate:
     def on_malformed_admit(self, err: Exception, raw: Msg) -> AdmitReply:
         self.malformed += 1
         self.log.warning("malformed admit", error=str(err), subject=raw.subject)
-        return AdmitReply(request_id=_request_id_of(raw.data), status="invalid", reason=str(err))
+        return AdmitReply(request_id=request_id_of(raw.data), status="invalid", reason=str(err))
 
     def on_malformed(self, err: Exception, raw: Msg) -> None:
         self.malformed += 1

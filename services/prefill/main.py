@@ -92,7 +92,7 @@ class PrefillService:
         if msg.request_id in self.pending:
             return Ack(msg.request_id, False, "duplicate request id")
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            params = msg.sampling  # checked by its type as the message was decoded
             self.engine.check_request(msg.prompt_ids, params)
             if len(msg.tenant) > MAX_TENANT_CHARS:
                 raise ValueError(f"tenant names are at most {MAX_TENANT_CHARS} characters")
@@ -328,7 +328,7 @@ class PrefillService:
         seq, rid = p.seq, p.seq.request_id
         early, p.grant = p.grant, None  # this handoff's now: direct.send uses it, or the finally gives it back
         table = list(seq.block_table)
-        done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params.to_dict(), sources,
+        done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params, sources,
                            router=p.submit.router, priority=p.submit.priority, tenant=p.submit.tenant,
                            session_id=p.submit.session_id or "")
         span = None  # kv.handoff: from when the decode instance is known

@@ -33,6 +33,7 @@ from services.router.routing import LoadTable, PrefillPicker, Sticky
 from services.router.schemas import OpenAIError
 from services.router.tool_calls import ToolFormat, format_for
 from shared.bus import Bus, PayloadTooLarge
+from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign, MessageError, PrefillSubmit, Release,
                              SessionClose, TokenChunk)
@@ -128,13 +129,16 @@ class Job:
     request_id: str
     session_id: str | None
     prompt_ids: list[int]
-    max_tokens: int
-    sampling: dict
+    sampling: SamplingParams  # checked once here (services/router/prepare.py) and by its type wherever it lands
     tenant: str = ""  # the API key's tenant (router.api_key_tenants): salts the request's KV namespace
     priority: int = 0     # agent hints (services/router/hints.py), higher first
     latency_s: float = 0.0
     osl: int = 0          # expected output tokens (0: unknown): the gate's reservation
     close_session: bool = False  # nvext.session_control close: the session's KV is freed once this request ends
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ class Generation:
             self.span.add_event("prepared")
             self.span.set_attributes({"prompt_tokens": len(job.prompt_ids), "max_tokens": job.max_tokens,
                                       "stream": prepared.parsed.stream,
-                                      "guided": bool(job.sampling.get("grammar"))})
+                                      "guided": bool(job.sampling.grammar)})
             self.state.metrics.open_requests.opened()
             return await self._attempts(job, prepared.parsed.stream, self.api.shaper(prepared, self.request_id))
         except OpenAIError as e:

@@ -146,17 +146,16 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
     seed = parsed.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(63)  # fixed here: prefill and decode sample from one stream
-    sampling = dict(max_tokens=max_tokens, temperature=float(temperature),
-                    top_p=1.0 if parsed.top_p is None else float(parsed.top_p), seed=seed,
-                    stop=list(parsed.stop), stop_token_ids=[], ignore_eos=bool(parsed.ignore_eos), grammar=grammar)
     try:
-        SamplingParams(**{**sampling, "stop": tuple(sampling["stop"])})
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
+                                  top_p=1.0 if parsed.top_p is None else float(parsed.top_p), seed=seed,
+                                  stop=tuple(parsed.stop), ignore_eos=bool(parsed.ignore_eos), grammar=grammar)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
     conv = parsed.conversation
     session = session_id or parsed.session_hint or conversation_key(conv)
     hints = resolve(parsed.hints, request.headers.get(HEADER), state.settings.priority_ceiling(tenant))
-    job = Job(request_id, session, prompt_ids, max_tokens, sampling, tenant=tenant, priority=hints.priority,
+    job = Job(request_id, session, prompt_ids, sampling, tenant=tenant, priority=hints.priority,
               latency_s=hints.latency_s, osl=hints.osl, close_session=hints.close_session)
     check_bus_size(state, job, api.chat)
     reads_calls = conv is not None and conv.tools and conv.tool_choice.mode != "none"

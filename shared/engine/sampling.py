@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
+
+import msgspec
 
 if TYPE_CHECKING:  # torch is imported where sampling runs: the router validates params without it
     import torch
@@ -18,8 +19,11 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The one sampling contract, end to end: the router builds it from the API request (after the API's own
+    schema) and it travels typed inside PrefillSubmit and HandoffDone (shared/messages.py). Every way in
+    (constructed here, decoded off the bus) runs `__post_init__`, so prefill and decode hold the same checked
+    value the router made; a field this version does not know is refused, never dropped."""
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -30,14 +34,14 @@ class SamplingParams:
     grammar: str = ""  # constrained decoding: an llguidance grammar (shared/engine/guide.py); "" = none
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _require_finite("temperature", self.temperature)
         _require_finite("top_p", self.top_p)
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.temperature < GREEDY_EPS:
-            object.__setattr__(self, "temperature", 0.0)  # frozen: normalised once, here
+            msgspec.structs.force_setattr(self, "temperature", 0.0)  # frozen: normalised once, here
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
@@ -59,7 +63,7 @@ class SamplingParams:
         """Random sampling without a seed gets one now, so every later draw is reproducible."""
         if self.greedy or self.seed is not None:
             return self
-        return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+        return msgspec.structs.replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
 
     def make_generator(self, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The generator for output token `position`, on the logits' device (a CPU generator cannot draw
@@ -74,23 +78,6 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         mixed = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
         return torch.Generator(device=device).manual_seed(int.from_bytes(mixed, "little") >> 1)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
-        """From a bus message or API layer; raises ValueError on unknown keys or bad values."""
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown sampling fields {sorted(unknown)}")
-        d = dict(d)
-        for key in ("stop", "stop_token_ids"):
-            if key in d:
-                d[key] = tuple(d[key] or ())
-        return cls(**d)
 
 
 def _require_finite(name: str, value: object) -> None:

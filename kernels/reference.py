@@ -52,9 +52,13 @@ def _as_ids(ids: IndexLike, num_blocks: int, device: torch.device, what: str, un
     return t
 
 
-def _as_view(t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, what: str) -> torch.Tensor:
-    """`t` viewed as `shape`: same dtype/device as `like`, contiguous, exact numel (flat is fine)."""
-    if t.dtype != like.dtype:
+def _as_view(t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, what: str,
+             convert: bool = False) -> torch.Tensor:
+    """`t` viewed as `shape`: same dtype/device as `like` (`convert`: any floating dtype), contiguous, exact
+    numel (flat is fine)."""
+    if convert and t.dtype.is_floating_point and like.dtype.is_floating_point:
+        pass
+    elif t.dtype != like.dtype:
         raise ValueError(f"{what}: dtype {t.dtype} != pages dtype {like.dtype}")
     if t.device != like.device:
         raise ValueError(f"{what}: device {t.device} != pages device {like.device}")
@@ -84,23 +88,30 @@ def _table_prefix(block_table: IndexLike, num_tokens: int, pages: torch.Tensor, 
 def pack_chunk(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor | None = None) -> torch.Tensor:
     """Gather whole blocks of one stage into one contiguous [n, Ls, 2, B, H, D] buffer.
 
-    With `out` (same dtype/device, contiguous, exact numel, any shape) it is filled and returned as is.
+    With `out` (same device, contiguous, exact numel, any shape) it is filled and returned as is. An `out` of
+    another floating dtype (a compact pool object: float32 pages into bfloat16) gets the values converted,
+    rounded to nearest even.
     """
     _check_pages(pages_s, "pack_chunk")
     ids = _as_ids(block_ids, pages_s.shape[0], pages_s.device, "pack_chunk", unique=False)
     shape = (ids.numel(), *pages_s.shape[1:])
     if out is None:
         return torch.index_select(pages_s, 0, ids)
-    torch.index_select(pages_s, 0, ids, out=_as_view(out, shape, pages_s, "pack_chunk out"))
+    view = _as_view(out, shape, pages_s, "pack_chunk out", convert=True)
+    if view.dtype == pages_s.dtype:
+        torch.index_select(pages_s, 0, ids, out=view)
+    else:
+        view.copy_(torch.index_select(pages_s, 0, ids))
     return out
 
 
 def unpack_chunk(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> None:
-    """Write a packed chunk buffer (shaped or flat) into `block_ids` of one stage's pages."""
+    """Write a packed chunk buffer (shaped or flat) into `block_ids` of one stage's pages (a buffer of another
+    floating dtype, a compact pool object's, is converted to the pages')."""
     _check_pages(pages_s, "unpack_chunk")
     ids = _as_ids(block_ids, pages_s.shape[0], pages_s.device, "unpack_chunk", unique=True)
-    src = _as_view(buf, (ids.numel(), *pages_s.shape[1:]), pages_s, "unpack_chunk buf")
-    pages_s.index_copy_(0, ids, src)
+    src = _as_view(buf, (ids.numel(), *pages_s.shape[1:]), pages_s, "unpack_chunk buf", convert=True)
+    pages_s.index_copy_(0, ids, src.to(pages_s.dtype))
 
 
 def _crc(t: torch.Tensor) -> int:

@@ -89,23 +89,29 @@ class KVStaging:
             self.kernels.scatter_from_rank(dev, pages, block_table, num_tokens, first)
 
     def pack_crc(self, pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor) -> int:
-        """Blocks of one stage -> host buffer `out` (pack_chunk); returns the CRC-32C of `out`'s bytes."""
+        """Blocks of one stage -> host buffer `out` (pack_chunk); returns the CRC-32C of `out`'s bytes. An `out`
+        of another dtype (a compact pool object) gets the values converted: on host pages in the kernel's copy,
+        on foreign ones on their device before the bytes leave it."""
         if not self.foreign:
             return self.kernels.pack_chunk_crc(pages_s, block_ids, out)
         with self._scratch_for(out) as dev:
-            self.kernels.pack_chunk(pages_s, block_ids, out=dev)
+            if dev.dtype == pages_s.dtype:
+                self.kernels.pack_chunk(pages_s, block_ids, out=dev)
+            else:
+                dev.view(-1).copy_(self.kernels.pack_chunk(pages_s, block_ids).view(-1))
             out.copy_(dev, non_blocking=True)
         return checksum(out)
 
     def unpack_crc(self, buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> int:
         """Host buffer `buf` -> blocks of one stage (unpack_chunk); returns the CRC-32C of `buf`'s bytes (wrong:
-        the blocks hold bad bytes and must not be used)."""
+        the blocks hold bad bytes and must not be used). A `buf` of another dtype is widened (compact objects)."""
         if not self.foreign:
             return self.kernels.unpack_chunk_crc(buf, pages_s, block_ids)
         with self._scratch_for(buf) as dev:
             dev.copy_(buf, non_blocking=True)
             crc = checksum(buf)  # the host's copy of the bytes, while the device's is in flight
-            self.kernels.unpack_chunk(dev, pages_s, block_ids)
+            self.kernels.unpack_chunk(dev if dev.dtype == pages_s.dtype else dev.to(pages_s.dtype), pages_s,
+                                      block_ids)
         return crc
 
     @contextlib.contextmanager

@@ -80,8 +80,10 @@ def test_pack_into_preallocated_flat_out(kv):
     assert torch.equal(out.view(len(ids), *pages.shape[1:]), pages[ids])
     with pytest.raises(ValueError, match="numel"):
         kv.pack_chunk(pages, ids, out=torch.empty(out.numel() - 1))
-    with pytest.raises(ValueError, match="dtype"):
-        kv.pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):  # floats convert (compact pool objects); nothing else does
+        kv.pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.int32))
+    half = kv.pack_chunk(pages, ids, out=torch.empty(out.numel(), dtype=torch.bfloat16))
+    assert torch.equal(half.view(len(ids), *pages.shape[1:]), pages[ids].to(torch.bfloat16))
 
 
 LAYOUTS = [
@@ -567,3 +569,39 @@ def test_the_registries_name_only_modules_that_exist():
     for registry in (kernels._REGISTRY, kernels._ATTN_REGISTRY):
         for backend in registry.values():
             assert importlib.util.find_spec(backend.module) is not None, backend
+
+
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8, 9], [3, 4, 9, 10, 11, 0, 1, 20], [7], []],
+                         ids=["one-run", "runs", "single", "empty"])
+@pytest.mark.parametrize("kv", BACKENDS)
+def test_compact_pack_rounds_to_bfloat16_and_unpack_widens_exactly(kv, ids):
+    """Compact pool objects (pool.dtype bfloat16 on float32 KV): pack converts in its copy, bit for bit
+    torch's round-to-nearest-even (C kernel and reference alike), with the CRC of the bytes it wrote;
+    unpack widens exactly, checking the CRC of the bytes it read. The C kernel threads over blocks."""
+    layout = CRC_LAYOUTS[2]  # SmolLM2's blocks
+    (pages,) = _random_pages(layout, 24, seed=3)
+    pages[4, 0, 0, 0, 0, :4] = torch.tensor([1e-40, -0.0, float("inf"), 3.0e38])  # subnormal, signed zero, big
+    out = torch.empty(len(ids) * pages[0].numel(), dtype=torch.bfloat16)
+    crc = kv.pack_chunk_crc(pages, ids, out)
+    want = pages[ids].to(torch.bfloat16).reshape(-1)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and crc == _crc32c(out)
+    dst = _poison(pages.shape, layout.dtype)
+    back = [(i + 1) % 24 for i in ids]
+    assert kv.unpack_chunk_crc(out, dst, back) == crc
+    assert torch.equal(dst[back].reshape(-1), want.float())
+    if ids:
+        out.view(torch.uint8)[-1] ^= 1
+        assert kv.unpack_chunk_crc(out, dst, back) != crc
+
+
+@needs_cpu
+def test_compact_pack_goes_through_the_c_kernel():
+    """Not the reference's convert-then-copy: the C routine takes float32 -> bfloat16 (and back) itself."""
+    layout = CRC_LAYOUTS[2]
+    (pages,) = _random_pages(layout, 8, seed=1)
+    out = torch.empty(3 * pages[0].numel(), dtype=torch.bfloat16)
+    assert cpu_kv._convert_crc(pages, out, [1, 5, 2], 0) == _crc32c(out)
+    assert cpu_kv._convert_crc(pages, out, [1, 5, 2], 1) == _crc32c(out)
+    assert cpu_kv._convert_crc(pages, out.view(torch.float16), [1, 5, 2], 0) is None  # other pairs: the reference's
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kv.pack_chunk_crc(pages, [0, 9, 1], out)

@@ -327,3 +327,47 @@ int moorage_kv_tokens(int to_pages, char *const *pages, const int64_t *planes, i
     }
     return 0;
 }
+
+/* Whole blocks between float32 pages and a bfloat16 packed buffer (compact pool objects): pack converts each
+ * element rounding to nearest even (NaN -> 0x7FC0, as torch), unpack widens exactly. Block k of the packed
+ * side is block ids[k] of the pages, as moorage_kv_blocks lays them out. *crc gets the CRC-32C of the packed
+ * bytes: each block's raw register computed right after it is converted (pack, still in cache) or before it
+ * is widened (unpack), then joined. Threads over blocks. block_elems: float32 elements per block. */
+static inline uint16_t f32_to_bf16(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+int moorage_kv_blocks_bf16(const char *src, char *dst, const int64_t *ids, int64_t n, int64_t num_blocks,
+                           int64_t block_elems, int unpack, int64_t min_split, int nthreads, uint32_t *crc) {
+    if (n < 0 || block_elems < 0 || num_blocks < 0) return -1;
+    if (!HAVE_CRC) return -5;
+    int rc = check_ids(ids, n, num_blocks, unpack);
+    if (rc) return rc;
+    *crc = 0;
+    if (n == 0 || block_elems == 0) return 0;
+    uint32_t *raw = malloc((size_t)n * sizeof(uint32_t));
+    if (!raw) return -4;
+    int64_t packed_bytes = block_elems * 2;
+    int nt = threads_for(n * block_elems * 6, min_split, nthreads);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t k = 0; k < n; k++) {
+        if (!unpack) {
+            const uint32_t *f = (const uint32_t *)(src + ids[k] * block_elems * 4);
+            uint16_t *b = (uint16_t *)(dst + k * packed_bytes);
+            for (int64_t i = 0; i < block_elems; i++) b[i] = f32_to_bf16(f[i]);
+            raw[k] = crc_raw((const char *)b, packed_bytes, 0);
+        } else {
+            const uint16_t *b = (const uint16_t *)(src + k * packed_bytes);
+            uint32_t *f = (uint32_t *)(dst + ids[k] * block_elems * 4);
+            raw[k] = crc_raw((const char *)b, packed_bytes, 0);
+            for (int64_t i = 0; i < block_elems; i++) f[i] = (uint32_t)b[i] << 16;
+        }
+    }
+    uint32_t shift = crc_shift(0x80000000u, packed_bytes), c = 0xFFFFFFFFu;
+    for (int64_t k = 0; k < n; k++) c = gf2_mul(c, shift) ^ raw[k];
+    free(raw);
+    *crc = ~c;
+    return 0;
+}

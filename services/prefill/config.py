@@ -11,6 +11,9 @@ from shared.service import ServiceConfig
 from shared.transfer import TransferConfig
 
 
+POOL_DTYPES = {"": None, "bfloat16": "bf16"}  # pool.dtype -> the suffix of its objects' namespace
+
+
 @dataclass
 class PoolSettings(PoolConfig):
     enabled: bool = False                  # restore from and save to the shared KV pool (needs master + stores)
@@ -25,6 +28,7 @@ class PoolSettings(PoolConfig):
     save_max_delay_s: float = 10.0         # a deferred save waits at most this long for idle, then runs beside compute
     save_max_held_fraction: float = 0.25   # saves waiting for idle may pin at most this fraction of the device blocks; beyond it they run at once
     save_max_mbps: float = 0.0             # pace saves to at most this many MB/s to the pool (0: unlimited)
+    dtype: str = ""                        # pool objects' element type: "" = the KV's own (lossless: restored turns are token-identical); "bfloat16": float32 KV stored at half the bytes, converted in the pack/unpack kernels (lossy: see README)
 
     def __post_init__(self) -> None:
         if self.restore_batch_chunks < 1:
@@ -35,6 +39,8 @@ class PoolSettings(PoolConfig):
             raise ConfigError(f"pool.save_max_delay_s must be >= 0, got {self.save_max_delay_s}")
         if not 0 < self.save_max_held_fraction <= 1:
             raise ConfigError(f"pool.save_max_held_fraction must be in (0, 1], got {self.save_max_held_fraction}")
+        if self.dtype not in POOL_DTYPES:
+            raise ConfigError(f"pool.dtype must be one of {sorted(POOL_DTYPES)}, got {self.dtype!r}")
         if self.save_max_mbps < 0:
             raise ConfigError(f"pool.save_max_mbps must be >= 0 (0: unlimited), got {self.save_max_mbps}")
 

@@ -397,6 +397,7 @@ class PrefillService:
                           {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
                            "pool": dict(self.pool.counters) if self.pool else None,
+                           "pool_dtype": str(self.pool.pool_dtype).removeprefix("torch.") if self.pool else None,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
                            "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})
 

@@ -26,6 +26,10 @@ chunk's stages are evicted together). The blocks being saved hold a reference of
 save ends.
 Each request's chunks are named in its tenant's KV namespace (shared/kv_tenant.py): hashes, keys and
 headers, so one tenant never restores another's KV.
+Compact objects (`pool.dtype = "bfloat16"` on float32 KV): the save's pack rounds to bfloat16 and the
+restore's unpack widens back, both in the copy kernels' one pass, with the CRC over the bytes stored; such
+objects are never read in place, and their namespace carries the dtype (`-bf16`), so a lossless prefill
+never takes them for its own.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
 from shared.hashing import chunk_hashes
+from services.prefill.config import POOL_DTYPES
 from services.prefill.pool_save import PoolSaver, finish_in_thread
 from shared.block_crcs import blocks_crc
 from shared.device_staging import KVStaging, host_buffer, registrable
@@ -94,7 +99,14 @@ class PoolConnector:
         self.copy_threads = copy_threads or torch.get_num_threads()  # an unpack's (it overlaps the next read)
         self.bm, self.layout = engine.block_manager, engine.layout
         self.stages = self.layout.stages
-        self.payload = [self.layout.chunk_payload_bytes(s) for s in range(self.stages)]
+        # compact objects (pool.dtype): the KV converted to a narrower type in the pack/unpack kernels, under a
+        # namespace of their own (their bytes mean something else); else the pages' bytes as they are
+        self.pool_dtype = getattr(torch, settings.dtype) if settings.dtype else self.layout.dtype
+        self.converts = self.pool_dtype != self.layout.dtype
+        self.ns_suffix = f"-{POOL_DTYPES[settings.dtype]}" if self.converts else ""
+        pool_elem = torch.empty((), dtype=self.pool_dtype).element_size()
+        self.payload = [self.layout.chunk_payload_bytes(s) // self.layout.elem_bytes * pool_elem
+                        for s in range(self.stages)]
         self.obj_bytes = [HEADER_BYTES + p for p in self.payload]
         self.chunk_bytes = sum(self.obj_bytes)
         self.chunk = self.layout.chunk_tokens
@@ -103,7 +115,8 @@ class PoolConnector:
         self.register_pages = register_pages
         self.copies = KVStaging(engine.pages, register_pages)  # restore buffers -> pages (the saver has its own)
         # two read buffers: batch i+1 is read into one while batch i is verified (and unpacked) from the other
-        self.in_place = settings.restore_in_place and registrable(engine.pages, register_pages)
+        self.in_place = (settings.restore_in_place and registrable(engine.pages, register_pages)
+                         and not self.converts)  # compact objects are widened as they are unpacked
         per_batch = settings.restore_batch_chunks * (self.stages * HEADER_BYTES if self.in_place else self.chunk_bytes)
         self.restore_bufs = [host_buffer(per_batch, engine.pages[0].device) for _ in range(2)]
         for buf in self.restore_bufs:
@@ -126,10 +139,10 @@ class PoolConnector:
         self.saver = PoolSaver(self, on_store_event)
 
     def keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
-        return [object_key(ns.name, s, self.stages, digest) for s in range(self.stages)]
+        return [object_key(ns.name + self.ns_suffix, s, self.stages, digest) for s in range(self.stages)]
 
     def spec(self, digest: bytes, stage: int, ns: KVNamespace) -> ObjectSpec:
-        return ObjectSpec(ns.name, digest, stage, self.stages, self.chunk, self.payload[stage])
+        return ObjectSpec(ns.name + self.ns_suffix, digest, stage, self.stages, self.chunk, self.payload[stage])
 
     async def present(self, digests: list[bytes], ns: KVNamespace) -> list[bool]:
         """Per chunk: every stage's object exists. An error is "not now" (False), never data."""
@@ -372,7 +385,7 @@ class PoolConnector:
         lo = i // self.stages * self.chunk_bytes + sum(self.obj_bytes[:s])
         obj = self.restore_bufs[buf][lo:lo + self.obj_bytes[s]]
         with copy_threads(self.copy_threads):
-            crc = self.copies.unpack_crc(obj[HEADER_BYTES:].view(self.layout.dtype), self.engine.pages[s],
+            crc = self.copies.unpack_crc(obj[HEADER_BYTES:].view(self.pool_dtype), self.engine.pages[s],
                                          chunk_blocks)
         return verify(obj, spec, payload_crc=crc)
 

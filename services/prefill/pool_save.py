@@ -156,7 +156,7 @@ class PoolSaver:
             for c, (d, blocks) in enumerate(zip(digests, chunks)):
                 for s in range(S):
                     obj = views[c * S + s]
-                    payload = obj[HEADER_BYTES:].view(conn.layout.dtype)
+                    payload = obj[HEADER_BYTES:].view(conn.pool_dtype)  # compact objects: converted in the pack
                     crc = self.copies.pack_crc(self.engine.pages[s], blocks, payload)  # CRC of the bytes put
                     write_header(obj, conn.spec(d, s, ns), crc)
 

@@ -201,3 +201,37 @@ def test_responses_tools_as_codex_sends_them():
     from pydantic import ValidationError
     with pytest.raises(ValidationError, match="local_shell"):
         ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [{"type": "local_shell"}]})
+
+
+def test_objects_that_list_their_properties_are_closed_in_the_grammar():
+    """As xgrammar's strict mode: a listed object takes no invented keys; free-form maps, explicit
+    additionalProperties and allOf branches are left as written; the input is not changed."""
+    from services.router.guided import closed
+
+    schema = {"type": "object", "properties": {"command": {"type": "string"},
+                                               "env": {"type": "object"},
+                                               "opts": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                               "list": {"type": "array", "items": {"type": "object", "properties": {"y": {}}}},
+                                               "open": {"type": "object", "properties": {}, "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"z": {}}}},
+              "allOf": [{"properties": {"a": {}}}], "anyOf": [{"properties": {"b": {}}}]}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in schema
+    p = out["properties"]
+    assert "additionalProperties" not in p["env"] and p["opts"]["additionalProperties"] is False
+    assert p["list"]["items"]["additionalProperties"] is False and p["open"]["additionalProperties"] is True
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["allOf"][0]
+
+
+def test_a_required_call_cannot_invent_argument_keys(tiny_tok):
+    """mini-swe-agent's bash tool (no additionalProperties): its one argument, nothing nested beside it."""
+    fmt = FORMATS["hermes"]
+    bash = tool("bash", None, {"type": "object", "properties": {"command": {"type": "string"}},
+                               "required": ["command"]}, "tools[0]")
+    grammar = Guidance(tiny_tok).grammar(Conversation([{"role": "user", "content": "x"}], [bash],
+                                                      ToolChoice("required")), fmt)
+    guides = Guides(tiny_tok, tiny_tok.vocab_size)
+    assert guides.matcher(grammar, tiny_tok.encode(fmt.render_call("bash", '{"command": "ls"}'))).is_accepting()
+    with pytest.raises(ValueError):
+        guides.matcher(grammar, tiny_tok.encode(fmt.render_call("bash", '{"command": "ls", "arguments": {}}')))

@@ -18,6 +18,36 @@ from shared.engine.guide import grammar_error, ll_tokenizer
 from shared.engine.tokenizer import Tokenizer
 
 _CHECKED_KEEP = 1024  # schemas whose verdict is remembered
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def closed(schema):
+    """The schema with every object that lists its `properties` and says nothing of others closed
+    (`additionalProperties: false`), as xgrammar's strict mode does: what the grammar lets through still
+    validates against the schema as given, but a small model can no longer nest invented keys until its
+    max_tokens runs out (mini-swe-agent's bash tool, measured: 5 of 7 first calls cut off). Objects with no
+    `properties` (free-form maps) stay open, and so do `allOf` branches (closing one would refuse the
+    others' keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "unevaluatedProperties",
+                                                         "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    return out
 
 
 class Guidance:
@@ -43,7 +73,7 @@ class Guidance:
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(closed(schema))
         except ValueError as e:
             raise OpenAIError(400, f"{where}: not a valid JSON schema: {e}", param=where) from None
         error = self._error(grammar)
@@ -65,7 +95,7 @@ class Guidance:
         tools = [t for t in conv.tools if choice.mode == "required" or t.name == choice.name]
         for t in tools:
             self._enforceable(t.parameters, f"tools[{conv.tools.index(t)}] ({t.name}) parameters")
-        shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
+        shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: closed(t.parameters)},
                    "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
         call = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
         grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, choice.mode == "required" and

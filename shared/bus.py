@@ -101,6 +101,10 @@ class Subjects:
     def session_close(self) -> str:
         return f"{self.prefix}.session.close"
 
+    @property
+    def session_turn(self) -> str:
+        return f"{self.prefix}.session.turn"
+
     def load(self, role: str, instance: str) -> str:
         return f"{self.prefix}.load.{role}.{instance}"
 

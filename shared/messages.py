@@ -316,6 +316,18 @@ class SessionClose(Message):
     tenant: str = ""
 
 
+@message("session_turn")
+class SessionTurn(Message):
+    """A session's turn ended with an answer (200). `expected_back`: it ended in a tool call (OpenAI
+    `tool_calls`, Anthropic `tool_use`, a Responses `function_call`): the agent runs the tool and returns with
+    the whole history. Otherwise the answer ended the task: the KV only this session holds (shared/sessions.py)
+    moves to the old end of the prefix caches' LRU on every prefill and decode, to be evicted before the
+    KV of sessions that are expected back."""
+    session_id: str
+    tenant: str = ""
+    expected_back: bool = False
+
+
 @message("load")
 class LoadReport(Message):
     instance: str

@@ -50,6 +50,13 @@ class SessionIndex:
         while len(self.sessions) > self.max_sessions:
             self._forget(next(iter(self.sessions)))
 
+    def alone(self, key: Key) -> list[bytes] | None:
+        """The block hashes only this session holds, prefix first (None: not recorded here); it stays recorded."""
+        kv = self.sessions.get(key)
+        if kv is None:
+            return None
+        return [h for h in dict.fromkeys(kv.blocks) if self._blocks[h] == 1]
+
     def close(self, key: Key) -> Closed:
         kv = self._forget(key)
         if kv is None:

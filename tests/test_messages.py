@@ -19,6 +19,7 @@ SAMPLES: dict[str, m.Message] = {
                                 waited_ms=30.25),
     "release": m.Release("r1", reason="finished"),
     "session_close": m.SessionClose("s-9", tenant="acme"),
+    "session_turn": m.SessionTurn("s-9", tenant="acme", expected_back=True),
     "holdings": m.Holdings("router-0", "boot-a", ["r1", "r2"]),
     "prefill_submit": m.PrefillSubmit("r1", [1, 2, 3, 70000], SAMPLING, "decode-1", session_id="s-9", tenant="acme"),
     "decode_assign": m.DecodeAssign("r1", "decode-1"),

@@ -30,7 +30,7 @@ from shared.bus import Bus, BusConfig
 from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import ByteTokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, SessionClose,
-                             TokenChunk)
+                             SessionTurn, TokenChunk)
 from shared.natsd import start_nats_server
 from shared.sockets import free_port
 from shared.tracing import read_spans
@@ -65,6 +65,7 @@ class FakeCluster:
         self.releases: list[Release] = []
         self.cancels: list[Cancel] = []
         self.closes: list[SessionClose] = []
+        self.turns: list[SessionTurn] = []
         self.gate_mode = "admit"     # admit | reject | nodecode | invalid | hold
         self.reporting = False
         self.ready = {"gate": True, "prefill": True, "decode": True}
@@ -99,6 +100,7 @@ class FakeCluster:
         await bus.subscribe(s.gate_release, Release, self._record(self.releases))
         await bus.subscribe(s.cancel_all, Cancel, self._record(self.cancels))
         await bus.subscribe(s.session_close, SessionClose, self._record(self.closes))
+        await bus.subscribe(s.session_turn, SessionTurn, self._record(self.turns))
         for name in self.PREFILLS:
             await bus.subscribe(s.prefill_submit(name), PrefillSubmit, self._submit_handler(name))
         self._spawn(self._report_loop())
@@ -176,6 +178,8 @@ class FakeCluster:
             await send([], "", True, error={"status": 503, "type": "server_error", "message": "decode lost"})
             return
         pieces = ["Hello", " world", "!"]
+        if "[call]" in text:  # moorage's own (Hermes) call format: tiny's template has no tools
+            pieces = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
         if "[slow]" in text:
             pieces = ["x"] * 100
         limit = msg.sampling.max_tokens
@@ -465,6 +469,24 @@ def test_a_session_is_closed_by_delete_or_by_its_last_request(client, http, fake
     bad = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER,
                                                   "nvext": {"session_control": {"action": "delete"}}})
     assert assert_openai_error(bad, 400)["param"] == "nvext.session_control.action"
+
+
+def test_each_answered_turn_says_whether_its_session_comes_back(client, fake):
+    """A final answer: not expected back (its KV is the first to go everywhere); a tool call: expected back."""
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, extra_headers={"X-Session-ID": "turn-a"})
+    turn = wait_for(lambda: next((m for m in fake.turns if m.session_id == "turn-a"), None))
+    assert turn.expected_back is False and turn.tenant == ""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "[call] weather?"}],
+                                       tools=[weather], max_tokens=64, extra_headers={"X-Session-ID": "turn-b"})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert wait_for(lambda: next((m for m in fake.turns if m.session_id == "turn-b"), None)).expected_back is True
+    n = len(fake.turns)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, extra_headers={"X-Session-ID": "turn-c"},
+                                   extra_body={"nvext": {"session_control": {"action": "close"}}})
+    wait_for(lambda: any(m.session_id == "turn-c" for m in fake.closes))
+    assert len(fake.turns) == n  # closed, not paused
 
 
 def test_same_session_sticks_to_one_prefill(client, fake):

@@ -68,6 +68,38 @@ def test_drop_cached_frees_unheld_blocks_and_keeps_held_ones():
     assert bm.num_free_blocks == 7 and bm.drop_cached(hashes) == 0
 
 
+def test_alone_names_what_only_the_session_holds_and_keeps_it_recorded():
+    idx = SessionIndex()
+    idx.record(("", "a"), kv("sys", "a1", "a2"))
+    idx.record(("", "b"), kv("sys", "b1"))
+    assert idx.alone(("", "a")) == [b"a1", b"a2"] and idx.alone(("", "nobody")) is None
+    assert idx.alone(("", "a")) == [b"a1", b"a2"]  # still recorded: asking changes nothing
+    idx.check_integrity()
+
+
+def test_an_ended_session_s_blocks_are_evicted_before_any_other():
+    """SessionTurn without expected_back: the blocks only that session holds move to the LRU's old end,
+    tails first, whatever their release order; blocks in use stay where they are."""
+    bm = BlockManager(7, 4, b"seed")  # no plain block: every allocation evicts
+    ended, returning, shared = list(range(100, 112)), list(range(200, 212)), list(range(300, 304))
+    tables = {}
+    for name, tokens in (("ended", ended), ("returning", returning), ("shared", shared)):
+        tables[name] = bm.allocate(len(tokens) // 4)
+        bm.register_full_blocks(tables[name], tokens, len(tokens) // 4)
+    bm.release(reversed(tables["ended"]))      # released first: LRU would evict these first anyway
+    bm.release(reversed(tables["returning"]))
+    assert bm.demote(bm.block_hashes(ended)) == 3
+    order = list(bm._cached_free)
+    assert order[:3] == tables["ended"][::-1]  # tail first, then its prefix
+    bm.acquire(tables["ended"][:1])  # in use again: demote leaves it alone
+    assert bm.demote(bm.block_hashes(ended)) == 2
+    bm.release(tables["ended"][:1])
+    bm.release(reversed(tables["shared"]))
+    assert bm.demote(bm.block_hashes(returning)) == 3
+    assert bm.allocate(3) == sorted(tables["returning"])  # demoted last: evicted first
+    bm.check_integrity()
+
+
 # ---- through the system ------------------------------------------------------------------------------
 OPENING = 600  # tokens both sessions start with (two pool chunks and more)
 
@@ -128,6 +160,19 @@ def test_a_closed_session_s_kv_is_freed_and_the_shared_opening_stays(system, tin
     engine = Engine(tiny, EngineConfig(num_blocks=256, enable_prefix_cache=False))
     want = engine.generate([a + _tokens(5, 20)], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_text
     assert out["choices"][0]["text"] == want
+
+
+def test_a_session_whose_answer_ends_its_task_is_the_first_to_go_everywhere(system):
+    """The router's SessionTurn after a final answer (no tool call): prefill and decode both move the blocks only
+    that session holds to the old end of their LRU."""
+    base, url = system
+    before = {role: _prefill(url, lambda d: True, role)["sessions"] for role in ("prefill", "decode")}
+    _complete(base, _tokens(40, 700), "sess-ended")
+    for role in ("prefill", "decode"):
+        was = before[role]
+        d = _prefill(url, lambda d: d["sessions"]["sessions_ended"] > was["sessions_ended"], role)["sessions"]
+        assert d["sessions_ended"] == was["sessions_ended"] + 1, (role, d)
+        assert d["session_blocks_demoted"] - was["session_blocks_demoted"] >= (700 - 16) // 16 - 1, (role, d)
 
 
 def test_closing_an_unknown_session_frees_nothing_and_a_bad_id_is_a_400(system):

@@ -29,8 +29,8 @@ from shared.engine.sampling import SamplingParams
 from shared.handoff_check import LandingFaults
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
 from shared.messages import (Ack, Cancel, HandoffDone, Holdings, InstanceExited, LoadReport, PagesGrant, PagesLanded,
-                             PagesReleased, PagesRequest, SessionClose, SlotGrant, SlotRequest, SlotsFilled, TokenChunk,
-                             error_info, make_usage)
+                             PagesReleased, PagesRequest, SessionClose, SessionTurn, SlotGrant, SlotRequest, SlotsFilled,
+                             TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.sessions import SessionIndex, SessionKV
 from shared.tracing import get_tracer
@@ -83,7 +83,8 @@ class DecodeService:
         self.active: dict[str, Active] = {}
         self.adopting: set[asyncio.Task] = set()  # acked handoffs the engine is taking
         self.sessions = SessionIndex()  # the prompt blocks each session alone has here (decode reuse): freed on close
-        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0}
+        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0, "sessions_ended": 0,
+                               "session_blocks_demoted": 0}
         self.log = ctx.log
 
     async def on_landed(self, msg: HandoffDone, raw) -> Ack:
@@ -150,6 +151,16 @@ class DecodeService:
             self.session_totals["sessions_closed"] += 1
             self.session_totals["session_blocks_dropped"] += dropped
             self.log.info("session closed", session_id=msg.session_id, blocks_dropped=dropped)
+
+    async def on_session_turn(self, msg: SessionTurn, raw) -> None:
+        """A session whose answer ended its task: the prompt blocks only it kept here go first (before the
+        blocks of sessions that called a tool and are expected back)."""
+        alone = None if msg.expected_back else self.sessions.alone((msg.tenant, msg.session_id))
+        if alone:
+            with contextlib.suppress(EngineLoopDead):
+                moved = await self.loop.call_now(lambda: self.engine.block_manager.demote(alone))
+                self.session_totals["sessions_ended"] += 1
+                self.session_totals["session_blocks_demoted"] += moved
 
     async def on_cancel(self, msg: Cancel, raw) -> None:
         dropped = await self.zone.drop(msg.request_id)
@@ -272,6 +283,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
     await ctx.bus.subscribe(s.session_close, SessionClose, svc.on_session_close)
+    await ctx.bus.subscribe(s.session_turn, SessionTurn, svc.on_session_turn)
     await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     expiry = asyncio.create_task(svc.expire_landings())
     ctx.load_report = svc.load_report

@@ -25,7 +25,7 @@ from shared.kv_tenant import MAX_TENANT_CHARS
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
 from shared.hashing import chunk_hashes
 from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport, SessionClose,
-                             PrefillSubmit, TokenChunk, error_info, make_usage)
+                             PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from shared.sessions import SessionIndex, SessionKV
 from shared.tracing import get_tracer
@@ -76,7 +76,8 @@ class PrefillService:
         self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
         self.pool = None  # PoolConnector when the shared pool is enabled
         self.sessions = SessionIndex()  # the KV each session alone uses: freed when it is closed
-        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0, "session_objects_removed": 0}
+        self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0, "session_objects_removed": 0,
+                               "sessions_ended": 0, "session_blocks_demoted": 0}
         self.events = None  # KVEventPublisher: a "transferred" event after each handoff
         self.tasks: set[asyncio.Task] = set()
         self.log = ctx.log
@@ -135,6 +136,14 @@ class PrefillService:
         t["session_objects_removed"] += removed
         self.log.info("session closed", session_id=msg.session_id, blocks_dropped=dropped, objects_removed=removed,
                       exclusive_blocks=len(closed.blocks), exclusive_chunks=len(closed.chunks))
+
+    async def on_session_turn(self, msg: SessionTurn, raw) -> None:
+        """A session whose answer ended its task: the device blocks only it holds are the first to be evicted."""
+        alone = None if msg.expected_back else self.sessions.alone((msg.tenant, msg.session_id))
+        if alone:
+            moved = await self.loop.call_now(lambda: self.engine.block_manager.demote(alone))
+            self.session_totals["sessions_ended"] += 1
+            self.session_totals["session_blocks_demoted"] += moved
 
     async def _admit(self, p: Pending, params: SamplingParams) -> None:
         rid, prompt = p.submit.request_id, p.submit.prompt_ids
@@ -443,6 +452,7 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.prefill_assign(ctx.instance), DecodeAssign, svc.on_assign)
     await ctx.bus.subscribe(s.cancel_all, Cancel, svc.on_cancel)
     await ctx.bus.subscribe(s.session_close, SessionClose, svc.on_session_close)
+    await ctx.bus.subscribe(s.session_turn, SessionTurn, svc.on_session_turn)
     await ctx.bus.subscribe(s.holdings, Holdings, svc.on_holdings)
     await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     ctx.load_report = svc.load_report

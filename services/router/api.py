@@ -84,7 +84,13 @@ class Output:
 
 class Shaper:
     """One response's shapes. Streams: `start`, then `delta` per piece of text, then `end`, or `error`
-    instead; each returns SSE bytes. Whole: `full`."""
+    instead; each returns SSE bytes. Whole: `full`. `output`: the answer as read so far."""
+    output: Output
+
+    @property
+    def called(self) -> bool:
+        """The answer has a tool call: the agent runs the tool and comes back (shared/messages.SessionTurn)."""
+        return bool(self.output.calls)
 
     def start(self) -> bytes:
         return b""

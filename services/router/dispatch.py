@@ -36,7 +36,7 @@ from shared.bus import Bus, PayloadTooLarge
 from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, DecodeAssign, MessageError, PrefillSubmit, Release,
-                             SessionClose, TokenChunk)
+                             SessionClose, SessionTurn, TokenChunk)
 
 _BUS_ERRORS = (asyncio.TimeoutError, nats.errors.Error)
 _ADMIT_SETTLE_S = 1.0  # a failed overlapped submit waits this long at most for its admit's answer (a gate
@@ -85,6 +85,10 @@ class RouterState:
     def context_limit(self) -> int:
         cap = self.settings.max_request_tokens
         return min(cap, self.max_context) if cap else self.max_context
+
+    async def session_turn(self, session_id: str, tenant: str, expected_back: bool) -> None:
+        """Every prefill and decode learns whether the session's last answer ended its task (its KV goes first)."""
+        await self.bus.publish(self.bus.subjects.session_turn, SessionTurn(session_id, tenant, expected_back))
 
     async def close_session(self, session_id: str, tenant: str) -> None:
         """Every prefill frees the KV only this session used; its turns no longer stick to one prefill."""

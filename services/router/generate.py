@@ -105,6 +105,7 @@ class Generation:
         self.completion_tokens = 0
         self._finished = False
         self.close_session: tuple[str, str] | None = None  # (tenant, session) to close once it ends
+        self.turn: tuple[str, str, Shaper] | None = None  # (tenant, session, its shaper): SessionTurn once answered
         self._defer_finish = False  # respond() finishes the request after sending the response
         self.outcome = Outcome()
 
@@ -135,7 +136,10 @@ class Generation:
                                       "stream": prepared.parsed.stream,
                                       "guided": bool(job.sampling.grammar)})
             self.state.metrics.open_requests.opened()
-            return await self._attempts(job, prepared.parsed.stream, self.api.shaper(prepared, self.request_id))
+            shaper = self.api.shaper(prepared, self.request_id)
+            if job.session_id and self.close_session is None:
+                self.turn = (job.tenant, job.session_id, shaper)
+            return await self._attempts(job, prepared.parsed.stream, shaper)
         except OpenAIError as e:
             out.status, out.reason = e.status, ("timeout" if e.status == 504 else "error")
             if e.status >= 500:
@@ -328,3 +332,9 @@ class Generation:
                     await self.state.close_session(session, tenant)
                 except Exception as e:  # the bus is down: the KV stays until LRU takes it
                     self.log.warning("session close not sent", error=str(e))
+            elif self.turn is not None and status == 200:  # answered: a tool call comes back, a final answer not
+                tenant, session, shaper = self.turn
+                try:
+                    await self.state.session_turn(session, tenant, shaper.called)
+                except Exception as e:  # advisory: the KV stays in plain LRU order
+                    self.log.warning("session turn not sent", error=str(e))

@@ -204,6 +204,19 @@ class BlockManager:
             self._plain_free[b] = None
         self._emit(BlockRemoved(evicted))
 
+    def demote(self, block_hashes: Sequence[bytes]) -> int:
+        """The cached-free blocks holding these hashes (a prompt's, prefix first) move to the LRU's old end, the
+        last one first: they are evicted before any other cached block, tails before their prefixes (a session
+        whose task ended: shared/messages.SessionTurn). Blocks in use or not cached are left alone; returns how
+        many moved."""
+        moved = 0
+        for h in block_hashes:
+            b = self._index.get(h)
+            if b is not None and b in self._cached_free:
+                self._cached_free.move_to_end(b, last=False)
+                moved += 1
+        return moved
+
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free_blocks
 

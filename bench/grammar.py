@@ -48,7 +48,9 @@ def run(quick: bool) -> dict:
     loaded = load_model("smollm2-135m")
     engine = Engine(loaded, EngineConfig(num_blocks=512, enable_prefix_cache=False))
     prompt = loaded.tokenizer.chat_token_ids([{"role": "user", "content": "List fruit names as a JSON array."}])
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
+    from services.router.guided import enforced
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(enforced(SCHEMA))  # as the router builds it
     steps, repeats = (16, 2) if quick else (48, 5)
     rows = []
     for batch in (1, 8):

@@ -168,11 +168,14 @@ def test_anthropic_tool_use_then_tool_result_round_trip(claude):
     m = claude.messages.create(model=MODEL, max_tokens=80, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"},
                                messages=ask, extra_body={"temperature": 0})
     assert m.stop_reason == "tool_use"
-    [use] = [b for b in m.content if b.type == "tool_use"]
-    assert use.id.startswith("toolu_") and use.name == "get_weather" and isinstance(use.input["city"], str)
+    uses = [b for b in m.content if b.type == "tool_use"]  # parallel calls are allowed (disable_parallel_tool_use unset)
+    assert uses and len({u.id for u in uses}) == len(uses)
+    for use in uses:
+        assert use.id.startswith("toolu_") and use.name == "get_weather" and isinstance(use.input["city"], str)
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "21C, clear"} for u in uses]
     reply = claude.messages.create(model=MODEL, max_tokens=24, tools=[ANTHROPIC_TOOL], extra_body={"temperature": 0},
-                                   messages=ask + [{"role": "assistant", "content": m.content}, {"role": "user", "content": [
-                                       {"type": "tool_result", "tool_use_id": use.id, "content": "21C, clear"}]}])
+                                   messages=ask + [{"role": "assistant", "content": m.content},
+                                                   {"role": "user", "content": results}])
     assert reply.type == "message" and reply.content
 
 

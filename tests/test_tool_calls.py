@@ -235,3 +235,20 @@ def test_a_required_call_cannot_invent_argument_keys(tiny_tok):
     assert guides.matcher(grammar, tiny_tok.encode(fmt.render_call("bash", '{"command": "ls"}'))).is_accepting()
     with pytest.raises(ValueError):
         guides.matcher(grammar, tiny_tok.encode(fmt.render_call("bash", '{"command": "ls", "arguments": {}}')))
+
+
+def test_enforced_json_has_one_spacing_so_a_weak_model_cannot_pad_it_for_ever(tiny_tok):
+    """Any whitespace between JSON tokens let the random-weight model write 300+ whitespace tokens inside a
+    required call until max_tokens; the grammar now takes json.dumps' spacing only (calls and JSON answers)."""
+    fmt, guides = FORMATS["hermes"], Guides(tiny_tok, tiny_tok.vocab_size)
+    grammar = Guidance(tiny_tok).grammar(conversation(tool_choice=ToolChoice("named", "get_weather")), fmt)
+    canonical = fmt.render_call("get_weather", '{"city": "Paris", "days": 3}')
+    assert guides.matcher(grammar, tiny_tok.encode(canonical)).is_accepting()
+    padded = canonical.replace('{"name"', '{\n  \t"name"', 1)
+    with pytest.raises(ValueError):
+        guides.matcher(grammar, tiny_tok.encode(padded))
+    answer = Guidance(tiny_tok).grammar(Conversation([{"role": "user", "content": "x"}], response_schema={
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}), fmt)
+    assert guides.matcher(answer, tiny_tok.encode('{"ok": true}')).is_accepting()
+    with pytest.raises(ValueError):
+        guides.matcher(answer, tiny_tok.encode('{ "ok": true}'))

@@ -32,6 +32,7 @@ class RouterSettings:
     submit_timeout_s: float = 10.0     # bus timeout for the prefill's Ack
     overlap_admission: bool = True     # submit to prefill while the gate decides, when the gate's last report says it will admit at once (saves the admit round trip)
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
+    retention: str = "session"         # session: tell prefill and decode when a session's answer ended its task (no tool call), so its cached KV is evicted before that of sessions expected back; lru: say nothing (plain LRU)
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit
     instance_timeout_s: float = 10.0   # an instance whose last load report is older is not chosen for new requests (one announced exited is out at once)
@@ -40,6 +41,8 @@ class RouterSettings:
     holdings_interval_s: float = 5.0   # how often the gate is told what this router still holds (frees lost Releases)
 
     def __post_init__(self) -> None:
+        if self.retention not in ("session", "lru"):
+            raise ConfigError(f"router.retention must be session or lru, got {self.retention!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"router.routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.cache_aware_max_imbalance_tokens < 0:

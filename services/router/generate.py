@@ -137,7 +137,7 @@ class Generation:
                                       "guided": bool(job.sampling.grammar)})
             self.state.metrics.open_requests.opened()
             shaper = self.api.shaper(prepared, self.request_id)
-            if job.session_id and self.close_session is None:
+            if job.session_id and self.close_session is None and self.state.settings.retention == "session":
                 self.turn = (job.tenant, job.session_id, shaper)
             return await self._attempts(job, prepared.parsed.stream, shaper)
         except OpenAIError as e:

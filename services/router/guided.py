@@ -23,6 +23,17 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains")
 
 
+# JSON written one way: json.dumps' separators, no other whitespace. With llguidance's default (any whitespace
+# between tokens) a weak model can pad a call with newlines and tabs until max_tokens ends it unfinished
+# (tiny, measured: 300+ whitespace tokens after "arguments":); with this every enforced call and answer ends.
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def enforced(schema: dict) -> dict:
+    """The schema as the grammar enforces it: listed objects closed, whitespace fixed (COMPACT)."""
+    return {**closed(schema), "x-guidance": COMPACT}
+
+
 def closed(schema):
     """The schema with every object that lists its `properties` and says nothing of others closed
     (`additionalProperties: false`), as xgrammar's strict mode does: what the grammar lets through still
@@ -73,7 +84,7 @@ class Guidance:
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(closed(schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(enforced(schema))
         except ValueError as e:
             raise OpenAIError(400, f"{where}: not a valid JSON schema: {e}", param=where) from None
         error = self._error(grammar)
@@ -97,7 +108,7 @@ class Guidance:
             self._enforceable(t.parameters, f"tools[{conv.tools.index(t)}] ({t.name}) parameters")
         shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: closed(t.parameters)},
                    "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
-        call = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+        call = {**(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}), "x-guidance": COMPACT}
         grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, choice.mode == "required" and
                                                                   conv.parallel_tool_calls))
         error = self._error(grammar)

@@ -83,7 +83,7 @@ class Message(msgspec.Struct):
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
-            raise MessageError(f"{cls.__name__}: {_field_path(cls, str(e))}") from None
+            raise MessageError(_field_path(cls, str(e))) from None
 
     @classmethod
     def decode(cls, raw: bytes) -> "Message":
@@ -111,7 +111,7 @@ def _field_path(cls: type, error: str) -> str:
     what, sep, where = error.rpartition(" - at `$")
     if sep:
         return f"{cls.__name__}{where.rstrip('`')}: {what}"
-    return error.replace("field `", "field '").replace("`", "'")
+    return f"{cls.__name__}: " + error.replace("field `", "field '").replace("`", "'")
 
 
 def message(kind: str):

@@ -106,9 +106,9 @@ class Guidance:
         tools = [t for t in conv.tools if choice.mode == "required" or t.name == choice.name]
         for t in tools:
             self._enforceable(t.parameters, f"tools[{conv.tools.index(t)}] ({t.name}) parameters")
-        shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: closed(t.parameters)},
+        shapes = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
                    "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
-        call = {**(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}), "x-guidance": COMPACT}
+        call = enforced(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})  # closes each tool's parameters too
         grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, choice.mode == "required" and
                                                                   conv.parallel_tool_calls))
         error = self._error(grammar)

@@ -3,14 +3,17 @@ model in float32 and bfloat16, against transformers on the same GGUF, the same d
 
     python -m bench.engine_models [--quick] [--out bench/results/engine-models.json]
 
-Each (engine, model, dtype) runs in a process of its own, so its resident memory is its own:
+Speed: both engines in one process per (model, dtype), measured in turns on the same prompts, the order
+alternating (process-to-process variance on a shared box is ~10%, more than the differences measured).
+Memory: each (engine, model, dtype) in a process of its own, so its resident memory is its own.
 - memory: RSS growth from before loading to after the engine is built and `LoadedModel.release_weights`
   ran (what prefill and decode do), against the engine's weights in the compute dtype plus its KV pages
   (goal: at most 1.3x). The same before release_weights is reported too.
 - prefill: one prompt of `prefill_tokens` random ids in one step (max_batched_tokens = prompt), median of
   `repeats`, after a warm-up; transformers: one forward over the same ids.
 - decode: `batch` prompts of `context` tokens prefilled (untimed), then `steps` steps of one token each,
-  median ms per step; transformers: row caches concatenated, one batched forward per step.
+  median ms per step over two turns of each engine; transformers: row caches concatenated, one batched
+  forward per step.
 Prompts are random ids from a seeded generator (prefix cache off). bf16 on a CPU with AMX-BF16 runs
 oneDNN's bf16 kernels; without it torch emulates them and bf16 is slower.
 """
@@ -36,7 +39,7 @@ SEED = 20261204
 @dataclass(frozen=True)
 class Size:
     prefill_tokens: int = 1024
-    repeats: int = 3
+    repeats: int = 7
     context: int = 256
     batches: tuple[int, ...] = (1, 8)
     steps: int = 16
@@ -63,111 +66,145 @@ def _tensor_bytes(model) -> int:
     return total
 
 
-def child_moorage(model: str, dtype: str, size: Size) -> dict:
-    import torch
+class _Moorage:
+    """The engine on one bundled model: prefill seconds for a prompt, decode seconds per step."""
 
-    from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.models import load_model
-    from shared.engine.sampling import SamplingParams
+    name = "moorage"
 
-    g = torch.Generator().manual_seed(SEED)
-    rss0 = _rss()
-    loaded = load_model(model)
-    vocab = loaded.config.vocab_size
-    need = max(size.prefill_tokens, max(size.batches) * (size.context + size.steps + 16)) + 64
-    eng = Engine(loaded, EngineConfig(dtype=dtype, num_blocks=-(-need // 16) + 8, kv_warm_ahead="0",
-                                      enable_prefix_cache=False, max_batched_tokens=max(size.prefill_tokens, 2048),
-                                      long_prefill_tokens=0, max_num_seqs=max(size.batches)))
-    rss_kept = _rss() - rss0
-    loaded.release_weights()
-    rss = _rss() - rss0
-    weights, kv = _tensor_bytes(eng.model), sum(p.untyped_storage().nbytes() for p in eng.pages)
+    def __init__(self, model: str, dtype: str, size: Size):
+        from shared.engine.engine import Engine, EngineConfig
+        from shared.engine.models import load_model
 
-    def run(prompts, max_tokens):
-        seqs = [eng.add_request(f"r{time.monotonic_ns()}-{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        rss0 = _rss()
+        loaded = load_model(model)
+        self.vocab = loaded.config.vocab_size
+        need = max(size.prefill_tokens, max(size.batches) * (size.context + size.steps + 16)) + 64
+        self.eng = Engine(loaded, EngineConfig(dtype=dtype, num_blocks=-(-need // 16) + 8, kv_warm_ahead="0",
+                                               enable_prefix_cache=False,
+                                               max_batched_tokens=max(size.prefill_tokens, 2048),
+                                               long_prefill_tokens=0, max_num_seqs=max(size.batches)))
+        rss_kept = _rss() - rss0
+        loaded.release_weights()
+        rss = _rss() - rss0
+        weights, kv = _tensor_bytes(self.eng.model), sum(p.untyped_storage().nbytes() for p in self.eng.pages)
+        self.memory = {"weights_bytes": weights, "kv_bytes": kv, "rss_growth_bytes": rss,
+                       "rss_growth_before_release_bytes": rss_kept, "rss_ratio": rss / (weights + kv),
+                       "rss_ratio_before_release": rss_kept / (weights + kv)}
+
+    def _add(self, prompts: list[list[int]], max_tokens: int):
+        from shared.engine.sampling import SamplingParams
+
+        return [self.eng.add_request(f"r{time.monotonic_ns()}-{i}", p,
+                                     SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-        return seqs
 
-    def ids(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-    for s in run([ids(min(size.prefill_tokens, 128))], 2):  # warm-up
-        while not s.is_finished:
-            eng.step()
-    times = []
-    for _ in range(size.repeats):
-        [s] = run([ids(size.prefill_tokens)], 1)
+    def prefill(self, ids: list[int]) -> float:
+        [s] = self._add([ids], 1)
         t0 = time.perf_counter()
         while not s.is_finished:
-            eng.step()
-        times.append(time.perf_counter() - t0)
-    out = {"prefill_tok_per_s": size.prefill_tokens / statistics.median(times), "decode_ms_per_step": {}}
-    for b in size.batches:
-        seqs = run([ids(size.context) for _ in range(b)], size.steps + 2)
+            self.eng.step()
+        return time.perf_counter() - t0
+
+    def decode(self, prompts: list[list[int]], steps: int) -> list[float]:
+        seqs = self._add(prompts, steps + 2)
         while any(not s.output_ids for s in seqs):  # untimed prefill
-            eng.step()
-        steps = []
-        for _ in range(size.steps):
+            self.eng.step()
+        times = []
+        for _ in range(steps):
             t0 = time.perf_counter()
-            eng.step()
-            steps.append(time.perf_counter() - t0)
-        out["decode_ms_per_step"][str(b)] = 1e3 * statistics.median(steps)
+            self.eng.step()
+            times.append(time.perf_counter() - t0)
         for s in seqs:
-            eng.abort(s.request_id)
-        while eng.step() is not None and any(not s.is_finished for s in seqs):
+            self.eng.abort(s.request_id)
+        while self.eng.step() is not None and any(not s.is_finished for s in seqs):
             pass
         gc.collect()
-    return {**out, "weights_bytes": weights, "kv_bytes": kv, "rss_growth_bytes": rss,
-            "rss_growth_before_release_bytes": rss_kept, "rss_ratio": rss / (weights + kv),
-            "rss_ratio_before_release": rss_kept / (weights + kv)}
+        return times
 
 
-def child_transformers(model: str, dtype: str, size: Size) -> dict:
-    import torch
+class _Transformers:
+    """transformers on the same GGUF and dtype (SDPA): one forward for a prompt; decode with the row caches
+    concatenated, one batched forward per step."""
 
-    from bench.engine import HFModel
-    from shared.engine.models import bundled_path
+    name = "transformers"
 
-    g = torch.Generator().manual_seed(SEED)
-    rss0 = _rss()
-    hf = HFModel(bundled_path(model), getattr(torch, dtype))
-    rss = _rss() - rss0
-    vocab = hf.model.config.vocab_size
+    def __init__(self, model: str, dtype: str, size: Size):
+        import torch
 
-    def ids(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
+        from bench.engine import HFModel
+        from shared.engine.models import bundled_path
 
-    hf.forward(torch.tensor([ids(min(size.prefill_tokens, 128))]))
-    times = []
-    for _ in range(size.repeats):
-        prompt = torch.tensor([ids(size.prefill_tokens)])
+        rss0 = _rss()
+        self.hf = HFModel(bundled_path(model), getattr(torch, dtype))
+        self.memory = {"rss_growth_bytes": _rss() - rss0}
+        self.vocab = self.hf.model.config.vocab_size
+
+    def prefill(self, ids: list[int]) -> float:
+        import torch
+
+        prompt = torch.tensor([ids])
         t0 = time.perf_counter()
-        hf.forward(prompt)
-        times.append(time.perf_counter() - t0)
-    out = {"prefill_tok_per_s": size.prefill_tokens / statistics.median(times), "decode_ms_per_step": {},
-           "rss_growth_bytes": rss}
-    for b in size.batches:
-        firsts, caches = [], []
-        for _ in range(b):
-            nxt, c = hf.forward(torch.tensor([ids(size.context)]))
-            firsts.append(nxt)
-            caches.append(c)
-        cache = caches[0] if b == 1 else HFModel.concat(caches)
+        self.hf.forward(prompt)
+        return time.perf_counter() - t0
+
+    def decode(self, prompts: list[list[int]], steps: int) -> list[float]:
+        import torch
+
+        from bench.engine import HFModel
+
+        firsts, caches = zip(*(self.hf.forward(torch.tensor([p])) for p in prompts))
+        cache = caches[0] if len(prompts) == 1 else HFModel.concat(list(caches))
         nxt = torch.cat(firsts)
-        steps = []
-        for _ in range(size.steps):
+        times = []
+        for _ in range(steps):
             t0 = time.perf_counter()
-            nxt, cache = hf.forward(nxt[:, None], cache)
-            steps.append(time.perf_counter() - t0)
-        out["decode_ms_per_step"][str(b)] = 1e3 * statistics.median(steps)
+            nxt, cache = self.hf.forward(nxt[:, None], cache)
+            times.append(time.perf_counter() - t0)
         del cache, caches
         gc.collect()
-    return out
+        return times
 
 
-def measure(engine: str, model: str, dtype: str, quick: bool) -> dict:
+ENGINES = {"moorage": _Moorage, "transformers": _Transformers}
+
+
+def child_memory(engine: str, model: str, dtype: str, size: Size) -> dict:
+    """Resident memory of one engine alone in this process."""
+    return ENGINES[engine](model, dtype, size).memory
+
+
+def child_speed(model: str, dtype: str, size: Size) -> dict:
+    """Both engines in this one process, measured in turns on the same prompts (the order alternates), so a
+    noisy neighbour or a slow spell lands on both: median prefill tok/s and median decode ms per step."""
+    import torch
+
+    engines = [_Moorage(model, dtype, size), _Transformers(model, dtype, size)]
+    g = torch.Generator().manual_seed(SEED)
+
+    def ids(n):
+        return torch.randint(0, engines[0].vocab, (n,), generator=g).tolist()
+
+    for e in engines:  # warm-up
+        e.prefill(ids(min(size.prefill_tokens, 128)))
+    prefill = {e.name: [] for e in engines}
+    for r in range(size.repeats):
+        prompt = ids(size.prefill_tokens)
+        for e in engines if r % 2 == 0 else engines[::-1]:
+            prefill[e.name].append(e.prefill(prompt))
+    decode = {e.name: {} for e in engines}
+    for b in size.batches:
+        for r in range(2):
+            prompts = [ids(size.context) for _ in range(b)]
+            for e in engines if r % 2 == 0 else engines[::-1]:
+                decode[e.name].setdefault(str(b), []).extend(e.decode(prompts, size.steps))
+    return {e.name: {"prefill_tok_per_s": size.prefill_tokens / statistics.median(prefill[e.name]),
+                     "decode_ms_per_step": {b: 1e3 * statistics.median(v) for b, v in decode[e.name].items()}}
+            for e in engines}
+
+
+def _child(args: list[str], quick: bool) -> dict:
     """One child process: its JSON line, or the error it died of."""
-    cmd = [sys.executable, "-m", "bench.engine_models", "--child", engine, model, dtype] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "bench.engine_models", "--child", *args] + (["--quick"] if quick else [])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
@@ -179,12 +216,18 @@ def run(size: Size, quick: bool, models=MODELS, dtypes=DTYPES) -> dict:
     rows = []
     for model in models:
         for dtype in dtypes:
-            m, t = measure("moorage", model, dtype, quick), measure("transformers", model, dtype, quick)
-            row = {"model": model, "dtype": dtype, "moorage": m, "transformers": t}
-            if "error" not in m and "error" not in t:
-                row["prefill_ratio_vs_transformers"] = m["prefill_tok_per_s"] / t["prefill_tok_per_s"]
-                row["decode_ratio_vs_transformers"] = {b: t["decode_ms_per_step"][b] / m["decode_ms_per_step"][b]
-                                                       for b in m["decode_ms_per_step"]}
+            speed = _child(["speed", model, dtype], quick)
+            mem = {e: _child(["memory", e, model, dtype], quick) for e in ENGINES}
+            err = speed.get("error") or next((m["error"] for m in mem.values() if "error" in m), None)
+            row = {"model": model, "dtype": dtype}
+            if err:
+                row["error"] = err
+            else:
+                m, t = ({**speed[e], **mem[e]} for e in ENGINES)
+                row.update(moorage=m, transformers=t,
+                           prefill_ratio_vs_transformers=m["prefill_tok_per_s"] / t["prefill_tok_per_s"],
+                           decode_ratio_vs_transformers={b: t["decode_ms_per_step"][b] / m["decode_ms_per_step"][b]
+                                                         for b in m["decode_ms_per_step"]})
             rows.append(row)
     return {"params": {"quick": quick, "size": asdict(size), "seed": SEED}, "rows": rows}
 
@@ -192,10 +235,10 @@ def run(size: Size, quick: bool, models=MODELS, dtypes=DTYPES) -> dict:
 def report(result: dict) -> str:
     table = []
     for r in result["rows"]:
-        m, t = r["moorage"], r["transformers"]
-        if "error" in m or "error" in t:
+        if "error" in r:
             table.append([r["model"], r["dtype"], "error", "", "", "", ""])
             continue
+        m, t = r["moorage"], r["transformers"]
         dec = " / ".join(f"{m['decode_ms_per_step'][b]:.1f} vs {t['decode_ms_per_step'][b]:.1f}"
                          for b in m["decode_ms_per_step"])
         table.append([r["model"], r["dtype"], f"{m['prefill_tok_per_s']:.0f} vs {t['prefill_tok_per_s']:.0f}",
@@ -235,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/engine-models.json")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--dtypes", default=",".join(DTYPES))
-    ap.add_argument("--child", nargs=3, metavar=("ENGINE", "MODEL", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # speed MODEL DTYPE | memory ENGINE MODEL DTYPE
     args = ap.parse_args(argv)
     size = QUICK if args.quick else FULL
     if args.child:
-        engine, model, dtype = args.child
-        print(json.dumps((child_moorage if engine == "moorage" else child_transformers)(model, dtype, size)))
+        kind, *rest = args.child
+        print(json.dumps(child_speed(*rest, size) if kind == "speed" else child_memory(*rest, size)))
         return 0
     t0 = time.perf_counter()
     result = run(size, args.quick, args.models.split(","), args.dtypes.split(","))

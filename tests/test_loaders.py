@@ -501,3 +501,32 @@ def test_hf_features_the_engine_does_not_implement_are_refused_by_name(tmp_path,
     cfg["rope_scaling"] = None  # null: no scaling, served as before
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     load_hf_dir(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_the_last_layer_runs_only_the_rows_that_sample(window):
+    """A prefill's hidden states for the rows that sample (each segment's last) are the full forward's rows,
+    with the last layer run for those rows alone: two segments in one batch, a windowed model too."""
+    config = replace(CONFIG, arch="mistral", sliding_window=window) if window else CONFIG
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim)
+    model = LlamaModel(config, random_weights(config), layout)
+    B = 16
+    lens = [20, 13]
+    ids = torch.tensor(INPUT_IDS[:lens[0]] + INPUT_IDS[3:3 + lens[1]])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    tables = [torch.tensor([0, 1]), torch.tensor([2])]
+    blocks = torch.cat([tables[0][torch.arange(lens[0]) // B], tables[1][torch.arange(lens[1]) // B]])
+
+    def run(out_rows=None):
+        pages = allocate_pages(model.layout, 3)
+        batch = AttentionBatch(blocks, pos % B, prefill=[PrefillSegment(0, lens[0], lens[0], tables[0]),
+                                                         PrefillSegment(lens[0], lens[1], lens[1], tables[1])])
+        return model.forward(ids, pos, batch, pages, out_rows), pages
+
+    full, full_pages = run()
+    part, part_pages = run([lens[0] - 1, sum(lens) - 1])
+    assert part.shape == (2, config.hidden_size)
+    torch.testing.assert_close(part, full[[lens[0] - 1, sum(lens) - 1]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part_pages[0], full_pages[0])  # every row's K/V is still written, last layer too
+    with pytest.raises(ValueError, match="not the last of its segment"):
+        run([5])

@@ -268,11 +268,15 @@ def test_a_sliding_window_decode_reads_only_the_last_tokens(window):
         assert not torch.allclose(cpu_attention.paged_decode(q, pages, 1, tables, ctx, 0.0625), ref)  # it mattered
 
 
-@pytest.mark.parametrize("q_len,ctx_len", [(40, 40), (40, 300), (300, 300), (1, 600)])
-def test_a_sliding_window_prefill_masks_by_distance(q_len, ctx_len):
+@pytest.mark.parametrize("q_len,ctx_len", [(40, 40), (40, 300), (300, 300), (1, 600), (65, 65), (97, 200), (200, 233),
+                                           (256, 256), (257, 700)])
+@pytest.mark.parametrize("window", [64, 8, 200])
+def test_a_sliding_window_prefill_masks_by_distance(q_len, ctx_len, window):
+    """Every shape of the query-chunked path (chunks of max(window / 2, 64) rows): a fresh prompt, a prompt
+    behind a cached history, chunk edges on and off the window's, a window shorter than a chunk."""
     from shared.engine.attention import PrefillSegment
 
-    window, d = 64, 32
+    d = 32
     g = torch.Generator().manual_seed(q_len + ctx_len)
     nb = -(-ctx_len // 16)
     pages = torch.randn(nb + 2, 1, 2, 16, 2, d, generator=g)

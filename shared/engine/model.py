@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionKernels, get_attention_kernels
-from shared.engine.attention import AttentionBatch, paged_attention, write_kv
+from kernels import AttentionKernels, cpu_logits, get_attention_kernels
+from shared.engine.attention import AttentionBatch, PrefillSegment, paged_attention, write_kv
 from shared.engine.model_config import ModelConfig
 from shared.engine.rope import RotaryEmbedding
 from shared.kv_layout import KVLayout
@@ -43,6 +43,18 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     for i in range(config.num_layers):
         names += [f"layers.{i}.{n}" for n in per_layer]
     return names
+
+
+def _rows_only(batch: AttentionBatch, rows: list[int]) -> AttentionBatch:
+    """The prefill batch for one query row per segment (each the segment's last): row j of the result is
+    `rows[j]`, attending to all of its segment's context."""
+    segments = []
+    for j, r in enumerate(rows):
+        seg = next(s for s in batch.prefill if s.q_start <= r < s.q_start + s.q_len)
+        if r != seg.q_start + seg.q_len - 1:
+            raise ValueError(f"row {r} is not the last of its segment")
+        segments.append(PrefillSegment(j, 1, seg.ctx_len, seg.block_table))
+    return AttentionBatch(batch.slot_blocks, batch.slot_offsets, prefill=segments)
 
 
 class LlamaModel:
@@ -104,13 +116,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                pages: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]; writes the new tokens' KV."""
+                pages: list[torch.Tensor], out_rows: list[int] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]; writes the new tokens' KV.
+        `out_rows` (a prefill's rows that sample, each the last of its segment): only those rows' hidden
+        states come back, [len(out_rows), hidden], and the last layer runs its attention, output projection
+        and MLP for them alone (every row's K/V is still written: a prompt's other rows feed nothing after
+        the last layer's K/V)."""
         c = self.config
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         x = self.embed[input_ids]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # Gemma: rounded to the compute dtype first
+        last = len(self.layers) - 1
+        if out_rows is not None and batch.prefill is None:
+            raise ValueError("out_rows is for a prefill batch (every decode row samples)")
         tables = self.rope.tables(positions)
         local_tables = self.local_rope.tables(positions) if self.local_rope is not None else None
         for i, L in enumerate(self.layers):
@@ -128,6 +147,9 @@ class LlamaModel:
                 qk = self.rope.apply(qkv[:, :(hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
             write_kv(pages[stage], local, batch, k, qkv[:, (hq + hkv) * d:].view(-1, hkv, d))
+            if out_rows is not None and i == last:
+                batch, rows = _rows_only(batch, out_rows), torch.tensor(out_rows, dtype=torch.long, device=x.device)
+                q, x = q[rows], x[rows]
             attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention, window)
             o = F.linear(attn.reshape(-1, hq * d), L["o"])
             x = x + (rms_norm(o, L["attn_out_norm"], c.rms_eps) if c.gemma else o)
@@ -140,4 +162,4 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return cpu_logits.logits(hidden, self.lm_head)  # torch's F.linear unless a few float32 rows on CPU

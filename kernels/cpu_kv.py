@@ -53,12 +53,12 @@ _BLOCKS_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64, _I64, _INT, _PTR
 _CRC_BLOCKS_ARGS = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT]
 _CRC_JOIN_ARGS = [_PTR, _I64, _I64, _PTR]
 _CRC32C_ARGS = [_PTR, _I64, _PTR]
-_BLOCKS_BF16_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64, _INT, _PTR]
+_BLOCKS_NARROW_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _INT, _I64, _INT, _PTR]
 KERNEL = CKernel("kv_copy", CSRC / "kv_copy.c", "moorage_kv_tokens", _TOKENS_ARGS, list(FLAG_SETS),
-                 base_flags=list(BASE_FLAGS), what="CPU KV copy kernel",
+                 base_flags=list(BASE_FLAGS), libs=["-lm"], what="CPU KV copy kernel",
                  more={"moorage_kv_blocks": _BLOCKS_ARGS, "moorage_crc_blocks": _CRC_BLOCKS_ARGS,
                        "moorage_crc_join": _CRC_JOIN_ARGS, "moorage_crc32c": _CRC32C_ARGS, "moorage_crc_folds": [],
-                       "moorage_kv_blocks_bf16": _BLOCKS_BF16_ARGS})
+                       "moorage_kv_blocks_narrow": _BLOCKS_NARROW_ARGS})
 _load, available = KERNEL.load, KERNEL.available
 
 # tuning (measured on a 2-core EPYC VM, see /work/notes/kernels2.md)
@@ -166,11 +166,15 @@ def _copy_crc(pages_s: torch.Tensor, packed: torch.Tensor, block_ids: IndexLike,
     return crc.value
 
 
+_NARROW_KINDS = {torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # compact pool objects' element types
+
+
 def _convert_crc(pages_s: torch.Tensor, packed: torch.Tensor, block_ids: IndexLike, unpack: int) -> int | None:
-    """float32 pages <-> a bfloat16 packed buffer (compact pool objects), converted in the copy, with the
-    CRC-32C of the packed bytes; None when the reference must do it (other dtypes, odd arguments, no CRC
-    instruction, or its error to raise)."""
-    if pages_s.dtype != torch.float32 or packed.dtype != torch.bfloat16:
+    """float32 pages <-> a bfloat16 or float8 e4m3fn packed buffer (compact pool objects), converted in the
+    copy, with the CRC-32C of the packed bytes; None when the reference must do it (other dtypes, odd
+    arguments, no CRC instruction, or its error to raise)."""
+    kind = _NARROW_KINDS.get(packed.dtype)
+    if pages_s.dtype != torch.float32 or kind is None:
         return None
     ids = _ids(block_ids)
     if ids is None or not _pages_ok(pages_s) or not available():
@@ -180,8 +184,8 @@ def _convert_crc(pages_s: torch.Tensor, packed: torch.Tensor, block_ids: IndexLi
         return None
     crc = ctypes.c_uint32()
     src, dst = (packed, pages_s) if unpack else (pages_s, packed)
-    fn = KERNEL.symbol_fn("moorage_kv_blocks_bf16")
-    if fn(src.data_ptr(), dst.data_ptr(), ids[0], ids[1], pages_s.shape[0], block_numel, unpack,
+    fn = KERNEL.symbol_fn("moorage_kv_blocks_narrow")
+    if fn(src.data_ptr(), dst.data_ptr(), ids[0], ids[1], pages_s.shape[0], block_numel, unpack, kind,
           MIN_SPLIT_BYTES, _nthreads(), ctypes.byref(crc)) != 0:
         return None
     return crc.value
@@ -189,7 +193,7 @@ def _convert_crc(pages_s: torch.Tensor, packed: torch.Tensor, block_ids: IndexLi
 
 def pack_chunk_crc(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tensor) -> int:
     """pack_chunk into `out`, returning the CRC-32C of the packed bytes, computed as they are copied (a
-    bfloat16 `out` for float32 pages: converted in the same pass)."""
+    bfloat16 or float8 e4m3fn `out` for float32 pages: converted in the same pass)."""
     convert = out.dtype != pages_s.dtype
     crc = (_convert_crc if convert else _copy_crc)(pages_s, out, block_ids, 0)
     return _ref.pack_chunk_crc(pages_s, block_ids, out) if crc is None else crc
@@ -197,7 +201,7 @@ def pack_chunk_crc(pages_s: torch.Tensor, block_ids: IndexLike, out: torch.Tenso
 
 def unpack_chunk_crc(buf: torch.Tensor, pages_s: torch.Tensor, block_ids: IndexLike) -> int:
     """unpack_chunk, returning the CRC-32C of `buf`'s bytes, computed as they are copied (read once; a
-    bfloat16 `buf` into float32 pages: widened in the same pass)."""
+    bfloat16 or float8 e4m3fn `buf` into float32 pages: widened in the same pass)."""
     convert = buf.dtype != pages_s.dtype
     crc = (_convert_crc if convert else _copy_crc)(pages_s, buf, block_ids, 1)
     return _ref.unpack_chunk_crc(buf, pages_s, block_ids) if crc is None else crc

@@ -1,5 +1,5 @@
 """bench/compact_pool.py: its arithmetic (fast), and its quick size end to end on SmolLM2 (slow): the lossless
-restore is exact, the bfloat16 one is measurably not (and says by how much)."""
+restore is exact, the bfloat16 and float8 e4m3fn ones are measurably not (and say by how much)."""
 
 from __future__ import annotations
 
@@ -28,17 +28,18 @@ def test_summary_counts_identical_outputs_and_divergences():
 
 
 @pytest.mark.slow
-def test_quick_run_lossless_is_exact_and_bfloat16_is_not(tmp_path):
+def test_quick_run_lossless_is_exact_and_compact_is_not(tmp_path):
     out = tmp_path / "cp.json"
     assert cp.main(["--quick", "--models", "smollm2-135m", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert {r["mode"] for r in rows} == {"lossless", "bfloat16"} and all(r["history_tokens"] > 0 for r in rows)
+    assert {r["mode"] for r in rows} == {"lossless", "bfloat16", "float8_e4m3fn"} and all(r["history_tokens"] > 0 for r in rows)
     for r in rows:
         if r["mode"] == "lossless":
             assert r["first_divergence"] is None and r["first_token_max_logit_diff"] == 0.0, r
         else:
             assert r["first_token_max_logit_diff"] > 0.0, r  # the history was rounded, and it shows
-    assert result["bytes"]["smollm2-135m"]["pool_bytes_per_token_bfloat16"] * 2 == \
-        result["bytes"]["smollm2-135m"]["kv_bytes_per_token"]
+    sizes = result["bytes"]["smollm2-135m"]
+    assert sizes["pool_bytes_per_token_bfloat16"] * 2 == sizes["kv_bytes_per_token"]
+    assert sizes["pool_bytes_per_token_float8_e4m3fn"] * 4 == sizes["kv_bytes_per_token"]
     assert out.with_suffix(".png").stat().st_size > 0

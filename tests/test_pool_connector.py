@@ -264,24 +264,27 @@ async def test_a_two_stage_restore_matches_scratch(saving, tiny, how):
     other.block_manager.check_integrity()
 
 
+@pytest.mark.parametrize("dtype,suffix,shrink", [("bfloat16", "bf16", 2), ("float8_e4m3fn", "fp8", 4)])
 @pytest.mark.parametrize("how", ["unpacked", "foreign"])
-async def test_compact_objects_hold_the_kv_rounded_to_bfloat16_at_half_the_bytes(saving, tiny, how):
-    """pool.dtype = bfloat16 on float32 KV (issue 29): objects in a namespace of their own, payloads half the
-    bytes, and a restore leaves in its blocks exactly the saved KV rounded to bfloat16 (converted in the
-    pack, widened in the unpack, the CRC over the bytes stored). A lossless prefill never reads them, and
-    a flipped byte is a miss, as for any object."""
+async def test_compact_objects_hold_the_kv_rounded_at_a_fraction_of_the_bytes(saving, tiny, how, dtype, suffix,
+                                                                                shrink):
+    """pool.dtype = bfloat16 or float8_e4m3fn on float32 KV (issue 29): objects in a namespace of their own,
+    payloads a half or a quarter of the bytes, and a restore leaves in its blocks exactly the saved KV
+    rounded to that type (converted in the pack, widened in the unpack, the CRC over the bytes stored). A
+    lossless prefill, or one of the other compact type, never reads them, and a flipped byte is a miss, as
+    for any object."""
     engine, loop, connector, prompt, hold = saving
     lossless_pool, pool = MemoryPool(), MemoryPool()
     lossless = connector(lossless_pool, register_pages=how != "foreign")
     await lossless.save("w", prompt, await loop.call(lambda: hold(lossless)), None)
-    conn = connector(pool, register_pages=how != "foreign", dtype="bfloat16")
+    conn = connector(pool, register_pages=how != "foreign", dtype=dtype)
     assert conn.converts and not conn.in_place
     await conn.save("w", prompt, await loop.call(lambda: hold(conn)), None)
     assert conn.counters["saved_chunks"] == 5 and len(pool.objects) == 5 * 2
     for key, obj in pool.objects.items():
-        twin = key.replace("-bf16/", "/")
-        assert "-bf16/" in key and twin in lossless_pool.objects
-        assert len(obj) - HEADER_BYTES == (len(lossless_pool.objects[twin]) - HEADER_BYTES) // 2
+        twin = key.replace(f"-{suffix}/", "/")
+        assert f"-{suffix}/" in key and twin in lossless_pool.objects
+        assert len(obj) - HEADER_BYTES == (len(lossless_pool.objects[twin]) - HEADER_BYTES) // shrink
     saved_blocks = (await loop.call(lambda: engine.block_manager.match_prefix(prompt, max_tokens=5 * CHUNK))).block_ids
 
     other = Engine(tiny, EngineConfig(num_blocks=24, chunk_tokens=CHUNK, stages=2))
@@ -290,12 +293,16 @@ async def test_compact_objects_hold_the_kv_rounded_to_bfloat16_at_half_the_bytes
     try:
         plain = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True), register_pages=how != "foreign")
         assert (await plain.restore("p", prompt, None)).token_range == (0, 0)  # another namespace: no hit
-        restorer = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, dtype="bfloat16"),
+        other_type = "float8_e4m3fn" if dtype == "bfloat16" else "bfloat16"
+        crossed = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, dtype=other_type),
+                                register_pages=how != "foreign")
+        assert (await crossed.restore("x", prompt, None)).token_range == (0, 0)
+        restorer = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, dtype=dtype),
                                  register_pages=how != "foreign")
         restored = await restorer.restore("r", prompt, None)
         assert restored.token_range == (0, 5 * CHUNK) and restorer.counters["verify_failures"] == 0
         for s in range(2):
-            want = engine.pages[s][saved_blocks].to(torch.bfloat16).float()
+            want = engine.pages[s][saved_blocks].to(getattr(torch, dtype)).float()
             assert torch.equal(other.pages[s][restored.pinned], want)
             assert not torch.equal(other.pages[s][restored.pinned], engine.pages[s][saved_blocks])  # lossy indeed
         await other_loop.call(lambda: other.block_manager.release(restored.pinned))
@@ -304,7 +311,7 @@ async def test_compact_objects_hold_the_kv_rounded_to_bfloat16_at_half_the_bytes
         raw = bytearray(pool.objects[key])
         raw[HEADER_BYTES + 100] ^= 0x01
         pool.objects[key] = bytes(raw)
-        again = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, dtype="bfloat16"),
+        again = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True, dtype=dtype),
                               register_pages=how != "foreign")
         partial = await again.restore("r2", prompt, None)
         assert again.counters["verify_failures"] == 1 and partial.token_range[1] < 5 * CHUNK

@@ -1,6 +1,7 @@
 /* KV copies as plain row copies, validated first (rc < 0 before any byte moves):
  * -2 a block id out of range, -3 a duplicate in a write target, -4 out of memory, -1 bad sizes,
  * -5 a CRC asked of a build without the CRC-32C instruction. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -328,19 +329,47 @@ int moorage_kv_tokens(int to_pages, char *const *pages, const int64_t *planes, i
     return 0;
 }
 
-/* Whole blocks between float32 pages and a bfloat16 packed buffer (compact pool objects): pack converts each
- * element rounding to nearest even (NaN -> 0x7FC0, as torch), unpack widens exactly. Block k of the packed
- * side is block ids[k] of the pages, as moorage_kv_blocks lays them out. *crc gets the CRC-32C of the packed
- * bytes: each block's raw register computed right after it is converted (pack, still in cache) or before it
- * is widened (unpack), then joined. Threads over blocks. block_elems: float32 elements per block. */
+/* Whole blocks between float32 pages and a narrower packed buffer (compact pool objects), converted in the
+ * copy. kind 1: bfloat16, round to nearest even (NaN -> 0x7FC0, as torch). kind 2: float8 e4m3fn (no
+ * infinities, max 448), round to nearest even and saturating to +-448 as torch's cast does (infinities
+ * included; NaN -> 0x7F with its sign). Unpack widens exactly. Block k of the packed side is block ids[k] of
+ * the pages, as moorage_kv_blocks lays them out. *crc gets the CRC-32C of the packed bytes: each block's raw
+ * register computed right after it is converted (pack, still in cache) or before it is widened (unpack),
+ * then joined. Threads over blocks. block_elems: float32 elements per block. */
 static inline uint16_t f32_to_bf16(uint32_t u) {
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-int moorage_kv_blocks_bf16(const char *src, char *dst, const int64_t *ids, int64_t n, int64_t num_blocks,
-                           int64_t block_elems, int unpack, int64_t min_split, int nthreads, uint32_t *crc) {
-    if (n < 0 || block_elems < 0 || num_blocks < 0) return -1;
+static inline uint8_t f32_to_e4m3(uint32_t u) {
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7F;             /* NaN */
+    if (a >= 0x43E00000u) return sign | 0x7E;            /* >= 448 (infinity too): saturate */
+    if (a < 0x3C800000u) {                               /* below 2^-6: a subnormal, m * 2^-9 (8 is 2^-6) */
+        float f;
+        memcpy(&f, &a, sizeof f);
+        return sign | (uint8_t)nearbyintf(f * 512.0f);   /* exact scaling; the default mode rounds to even */
+    }
+    uint32_t r = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;  /* exponent and 3 mantissa bits, rounded to even */
+    r -= (127u - 7u) << 3;                               /* rebias */
+    return sign | (uint8_t)(r > 0x7Eu ? 0x7Eu : r);
+}
+
+static float E4M3[256];  /* e4m3fn code -> float32, built once as the library loads */
+
+__attribute__((constructor)) static void e4m3_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : (e == 15 && m == 7) ? NAN : ldexpf(1.0f + m / 8.0f, e - 7);
+        E4M3[c] = (c & 0x80) ? -v : v;
+    }
+}
+
+int moorage_kv_blocks_narrow(const char *src, char *dst, const int64_t *ids, int64_t n, int64_t num_blocks,
+                             int64_t block_elems, int unpack, int kind, int64_t min_split, int nthreads,
+                             uint32_t *crc) {
+    if (n < 0 || block_elems < 0 || num_blocks < 0 || (kind != 1 && kind != 2)) return -1;
     if (!HAVE_CRC) return -5;
     int rc = check_ids(ids, n, num_blocks, unpack);
     if (rc) return rc;
@@ -348,21 +377,29 @@ int moorage_kv_blocks_bf16(const char *src, char *dst, const int64_t *ids, int64
     if (n == 0 || block_elems == 0) return 0;
     uint32_t *raw = malloc((size_t)n * sizeof(uint32_t));
     if (!raw) return -4;
-    int64_t packed_bytes = block_elems * 2;
-    int nt = threads_for(n * block_elems * 6, min_split, nthreads);
+    int64_t packed_bytes = block_elems * (kind == 1 ? 2 : 1);
+    int nt = threads_for(n * block_elems * (4 + packed_bytes / block_elems), min_split, nthreads);
     (void)nt;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t k = 0; k < n; k++) {
         if (!unpack) {
             const uint32_t *f = (const uint32_t *)(src + ids[k] * block_elems * 4);
-            uint16_t *b = (uint16_t *)(dst + k * packed_bytes);
-            for (int64_t i = 0; i < block_elems; i++) b[i] = f32_to_bf16(f[i]);
-            raw[k] = crc_raw((const char *)b, packed_bytes, 0);
+            char *out = dst + k * packed_bytes;
+            if (kind == 1)
+                for (int64_t i = 0; i < block_elems; i++) ((uint16_t *)out)[i] = f32_to_bf16(f[i]);
+            else
+                for (int64_t i = 0; i < block_elems; i++) ((uint8_t *)out)[i] = f32_to_e4m3(f[i]);
+            raw[k] = crc_raw(out, packed_bytes, 0);
         } else {
-            const uint16_t *b = (const uint16_t *)(src + k * packed_bytes);
-            uint32_t *f = (uint32_t *)(dst + ids[k] * block_elems * 4);
-            raw[k] = crc_raw((const char *)b, packed_bytes, 0);
-            for (int64_t i = 0; i < block_elems; i++) f[i] = (uint32_t)b[i] << 16;
+            const char *in = src + k * packed_bytes;
+            raw[k] = crc_raw(in, packed_bytes, 0);
+            if (kind == 1) {
+                uint32_t *f = (uint32_t *)(dst + ids[k] * block_elems * 4);
+                for (int64_t i = 0; i < block_elems; i++) f[i] = (uint32_t)((const uint16_t *)in)[i] << 16;
+            } else {
+                float *f = (float *)(dst + ids[k] * block_elems * 4);
+                for (int64_t i = 0; i < block_elems; i++) f[i] = E4M3[((const uint8_t *)in)[i]];
+            }
         }
     }
     uint32_t shift = crc_shift(0x80000000u, packed_bytes), c = 0xFFFFFFFFu;

@@ -11,7 +11,7 @@ from shared.service import ServiceConfig
 from shared.transfer import TransferConfig
 
 
-POOL_DTYPES = {"": None, "bfloat16": "bf16"}  # pool.dtype -> the suffix of its objects' namespace
+POOL_DTYPES = {"": None, "bfloat16": "bf16", "float8_e4m3fn": "fp8"}  # pool.dtype -> its objects' namespace suffix
 
 
 @dataclass
@@ -28,7 +28,7 @@ class PoolSettings(PoolConfig):
     save_max_delay_s: float = 10.0         # a deferred save waits at most this long for idle, then runs beside compute
     save_max_held_fraction: float = 0.25   # saves waiting for idle may pin at most this fraction of the device blocks; beyond it they run at once
     save_max_mbps: float = 0.0             # pace saves to at most this many MB/s to the pool (0: unlimited)
-    dtype: str = ""                        # pool objects' element type: "" = the KV's own (lossless: restored turns are token-identical); "bfloat16": float32 KV stored at half the bytes, converted in the pack/unpack kernels (lossy: see README)
+    dtype: str = ""                        # pool objects' element type: "" = the KV's own (lossless: restored turns are token-identical); "bfloat16": float32 KV stored at half the bytes, "float8_e4m3fn" at a quarter (saturating at +-448, unscaled), converted in the pack/unpack kernels (lossy: see README)
 
     def __post_init__(self) -> None:
         if self.restore_batch_chunks < 1:

@@ -26,10 +26,10 @@ chunk's stages are evicted together). The blocks being saved hold a reference of
 save ends.
 Each request's chunks are named in its tenant's KV namespace (shared/kv_tenant.py): hashes, keys and
 headers, so one tenant never restores another's KV.
-Compact objects (`pool.dtype = "bfloat16"` on float32 KV): the save's pack rounds to bfloat16 and the
-restore's unpack widens back, both in the copy kernels' one pass, with the CRC over the bytes stored; such
-objects are never read in place, and their namespace carries the dtype (`-bf16`), so a lossless prefill
-never takes them for its own.
+Compact objects (`pool.dtype = "bfloat16"` or `"float8_e4m3fn"` on float32 KV): the save's pack rounds to
+that type and the restore's unpack widens back, both in the copy kernels' one pass, with the CRC over the
+bytes stored; such objects are never read in place, and their namespace carries the dtype (`-bf16`, `-fp8`),
+so a lossless prefill (or one of the other compact type) never takes them for its own.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def _prefill_mask(seg, q: torch.Tensor, window: int = 0, rows: tuple[int, int] |
     if mask is None:
         first = seg.ctx_len - seg.q_len
         qpos = torch.arange(first + a, first + b, device=q.device)[:, None]
-        kpos = torch.arange(key_start, first + b if rows else seg.ctx_len, device=q.device)[None, :]
+        kpos = torch.arange(key_start, first + b, device=q.device)[None, :]  # to the last row's position
         visible = kpos <= qpos
         if window:
             visible &= kpos > qpos - window

@@ -30,22 +30,26 @@ available = KERNEL.available
 MIN_ROWS, MAX_ROWS, LANES = 4, 12, 8  # where the kernel beats torch here (the C source takes 1-64 rows)
 
 
+def _operands_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 CPU [R, K] x contiguous [V, K]: what the C source may be handed at all."""
+    return (hidden.dim() == 2 and weight.dim() == 2 and hidden.dtype == weight.dtype == torch.float32
+            and hidden.device.type == weight.device.type == "cpu" and hidden.shape[1] == weight.shape[1]
+            and weight.is_contiguous())
+
+
 def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Shapes it runs: float32 CPU tensors, a contiguous weight, 4..12 rows, K a multiple of 8."""
-    return (hidden.dim() == 2 and weight.dim() == 2 and hidden.dtype == weight.dtype == torch.float32
-            and hidden.device.type == weight.device.type == "cpu" and MIN_ROWS <= hidden.shape[0] <= MAX_ROWS
-            and hidden.shape[1] == weight.shape[1] and hidden.shape[1] % LANES == 0 and weight.is_contiguous()
-            and available())
+    return (_operands_ok(hidden, weight) and MIN_ROWS <= hidden.shape[0] <= MAX_ROWS
+            and hidden.shape[1] % LANES == 0 and available())
 
 
 def kernel(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The C kernel itself, for any 1..64 rows (`logits` picks when to use it); ValueError for shapes it
     does not take."""
+    if not _operands_ok(hidden, weight):
+        raise ValueError(f"logits kernel: float32 CPU [R, K] x contiguous [V, K], got {hidden.dtype} "
+                         f"{tuple(hidden.shape)} x {weight.dtype} {tuple(weight.shape)}")
     h = hidden.contiguous()
-    if h.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
-            or h.device.type != "cpu" or weight.device.type != "cpu" or h.dim() != 2 or h.shape[1] != weight.shape[1]:
-        raise ValueError(f"logits kernel: float32 CPU [R, K] x contiguous [V, K], got {h.dtype} {tuple(h.shape)} "
-                         f"x {weight.dtype} {tuple(weight.shape)}")
     out = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32)
     rc = KERNEL.load()(weight.data_ptr(), h.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                        h.shape[0], torch.get_num_threads())

@@ -44,11 +44,11 @@ class ModelRunner:
             tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in batch.seqs]
             attn.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
             attn.decode_ctx_lens = self._tensor(lens)
-        if batch.is_prefill:  # the last layer runs only the rows that sample
-            hidden = self.model.forward(self._tensor(ids), self._tensor(positions), attn, self.pages, sample_rows)
-        else:
-            hidden = self.model.forward(self._tensor(ids), self._tensor(positions), attn, self.pages)[
-                self._tensor(sample_rows)]
+        # a prefill's last layer runs only the rows that sample; every decode row samples
+        hidden = self.model.forward(self._tensor(ids), self._tensor(positions), attn, self.pages,
+                                    sample_rows if batch.is_prefill else None)
+        if not batch.is_prefill:
+            hidden = hidden[self._tensor(sample_rows)]
         if not samplers:
             return [], None
         return samplers, self.model.logits(hidden)

@@ -40,6 +40,9 @@ class Size:
     device_blocks: int = 320     # 5,120 tokens: the tool sessions' histories (tools in the system prompt: ~1.1K
     #                              tokens each) and a little more, not the ended sessions' and the fillers' too
     max_tokens: int = 48
+    tier: str = "device"         # device: the pool off; pool: device caches too small to keep anything, so
+    #                              returning turns find their history in the pool (store_bytes of DRAM) or not
+    store_bytes: int = 0
 
 
 QUICK = Size(sessions=4, fillers=2, device_blocks=200)
@@ -99,7 +102,10 @@ def run_mode(size: Size, retention: str, run_dir: str, overrides: list[str]) -> 
     from infra.up import UpConfig, launched
     from shared.config import load_config
 
-    sets = ["up.model=tiny", "up.port=0", "up.pool=false", f"up.run_dir={run_dir}",
+    tier = (["up.pool=false"] if size.tier == "device" else
+            ["up.pool=true", "up.stores=1", f"up.store_bytes={size.store_bytes}", "decode.transfer.decode_reuse=false",
+             "prefill.pool.save_max_held_fraction=0.9"])
+    sets = ["up.model=tiny", "up.port=0", *tier, f"up.run_dir={run_dir}",
             f"prefill.engine.num_blocks={size.device_blocks}", "decode.engine.num_blocks=2048",
             f"router.router.retention={retention}", *overrides]
     cfg = load_config(UpConfig, overrides=sets, env={})
@@ -114,7 +120,7 @@ def run_mode(size: Size, retention: str, run_dir: str, overrides: list[str]) -> 
         finally:
             watcher.close()
     return {"retention": retention, "overrides": sets, "wall_s": round(wall, 2), "rows": rows,
-            "prefill_sessions": prefill.get("sessions")}
+            "prefill_sessions": prefill.get("sessions"), "prefill_pool": prefill.get("pool")}
 
 
 def summarize(mode: dict) -> dict:
@@ -124,20 +130,22 @@ def summarize(mode: dict) -> dict:
     ended = [r for r in mode["rows"] if not r["expected_back"]]
     return {"retention": mode["retention"], "expected_back_history_cached": mean(back),
             "ended_history_cached": mean(ended), "returning_turns": len(mode["rows"]),
-            "blocks_demoted": (mode.get("prefill_sessions") or {}).get("session_blocks_demoted")}
+            "blocks_demoted": (mode.get("prefill_sessions") or {}).get("session_blocks_demoted"),
+            **{k: (mode.get("prefill_pool") or {}).get(k) for k in ("restored_chunks", "saved_chunks",
+                                                                     "saved_pinned_chunks")}}
 
 
 def run(size: Size, run_dir: str, overrides: list[str] = ()) -> dict:
     modes = [run_mode(size, r, f"{run_dir}/{r}", list(overrides)) for r in ("lru", "session")]
-    return {"params": {"size": size.__dict__, "quick": size == QUICK}, "modes": modes,
+    return {"params": {"size": size.__dict__, "quick": size.sessions < FULL.sessions}, "modes": modes,
             "summary": [summarize(m) for m in modes]}
 
 
 def report(result: dict) -> str:
     rows = [[s["retention"], s["expected_back_history_cached"], s["ended_history_cached"], s["returning_turns"],
-             s["blocks_demoted"]] for s in result["summary"]]
+             s["blocks_demoted"], s.get("saved_pinned_chunks"), s.get("restored_chunks")] for s in result["summary"]]
     return md_table(["router.retention", "history cached: sessions expected back", "ended sessions", "returning turns",
-                     "prefill blocks demoted"], rows)
+                     "prefill blocks demoted", "pool chunks saved pinned", "pool chunks restored"], rows)
 
 
 def plot(result: dict, path: str) -> None:
@@ -155,7 +163,8 @@ def plot(result: dict, path: str) -> None:
            label="task ended (answer)")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("share of the history still cached on return")
-    ax.set_title("returning turns after other work filled the device cache")
+    where = "the pool" if result["params"]["size"].get("tier") == "pool" else "the device cache"
+    ax.set_title(f"returning turns after other work filled {where}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

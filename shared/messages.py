@@ -181,6 +181,7 @@ class PrefillSubmit(Message):
     tenant: str = ""  # salts the request's KV namespace (device cache, pool keys): "" = the deployment's own
     router: str = ""  # the sending router instance: its Holdings tell when nobody waits for the request
     priority: int = 0  # agent hint, higher first: weighs the prompt's place in prefill's srpf order
+    retain: bool = False  # a SessionTurn will say how this turn ended: the pool save waits for it to pin or not
 
 
 @message("decode_assign")
@@ -322,10 +323,13 @@ class SessionTurn(Message):
     `tool_calls`, Anthropic `tool_use`, a Responses `function_call`): the agent runs the tool and returns with
     the whole history. Otherwise the answer ended the task: the KV only this session holds (shared/sessions.py)
     moves to the old end of the prefix caches' LRU on every prefill and decode, to be evicted before the
-    KV of sessions that are expected back."""
+    KV of sessions that are expected back. Prefill's pool saves of the turn (PrefillSubmit.retain) soft-pin
+    their objects for `pin_s` when it comes back, and leave them unpinned when it ended."""
     session_id: str
     tenant: str = ""
     expected_back: bool = False
+    pin_s: float = 0.0  # expected back: soft-pin the session's new pool objects this long (the router's pause TTL)
+    expect_in_s: float = 0.0  # expected back: agents' median tool pause so far (0: too few seen); times a prefetch
 
 
 @message("load")

@@ -100,10 +100,10 @@ def wait_for_master(addr: str, timeout: float) -> bool:
 
 def store_class():
     try:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
     except ImportError as e:  # pragma: no cover - depends on the installed extra
         raise PoolError(f"mooncake store is not installed: {e}") from e
-    return MooncakeDistributedStore, ReplicateConfig
+    return MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 
 def _memory_replica(replicas) -> tuple[str, int, int] | None:
@@ -125,7 +125,8 @@ class PoolClient:
         self.config = c = config or PoolConfig()
         if not 1 <= c.max_batch <= MAX_TCP_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_TCP_BATCH}, got {c.max_batch}")
-        store_cls, self._replicate_cls = store_class()
+        store_cls, self._replicate_cls, pin = store_class()
+        self._pin_enable = pin.ENABLE
         if not wait_for_master(c.master_addr, c.connect_timeout_s):
             raise PoolError(f"mooncake master {c.master_addr} is unreachable", RPC_FAIL)
         self._lock = threading.Lock()
@@ -237,7 +238,7 @@ class PoolClient:
 
     def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
                  group_id: str | Sequence[str] | None = None, *,
-                 preferred_segment: str | None = None) -> list[int]:
+                 preferred_segment: str | None = None, soft_pin_s: float = 0.0) -> list[int]:
         """Store [addrs[i], addrs[i] + sizes[i]) under keys[i]: 0 or a negative code per key.
 
         With group_id (one string) every object of this call joins that eviction group (evicted
@@ -245,11 +246,15 @@ class PoolClient:
         several groups (a request's chunks, each chunk's stages one group).
         An existing key answers 0 and keeps its old value. "Pool full" (-200) is retried for up to
         put_retry_s. preferred_segment (a store's "host:port") asks for placement on that store.
+        soft_pin_s > 0 soft-pins the new objects for that long (Mooncake's soft pin: the master evicts them only
+        once no unpinned object is left to evict; each read or exists renews the pin for as long again).
         Raises ValueError for duplicate keys and for sizes outside 1..max_object_bytes.
         """
         self._check(keys, addrs, sizes)
         if len(set(keys)) != len(keys):
             raise ValueError("duplicate keys in one put (Mooncake would silently keep only one)")
+        if soft_pin_s < 0:
+            raise ValueError(f"soft_pin_s must not be negative, got {soft_pin_s}")
         bad = [n for n in sizes if not 0 < n <= self.config.max_object_bytes]
         if bad:  # a put the master can never place makes it evict: refuse it before asking
             raise ValueError(f"object size {bad[0]} outside 1..{self.config.max_object_bytes} (max_object_bytes)")
@@ -260,16 +265,19 @@ class PoolClient:
         out: list[int] = []
         for lo, hi in self._chunks(len(keys)):
             out += self._put_chunk(store, list(keys[lo:hi]), list(addrs[lo:hi]), list(sizes[lo:hi]),
-                                   None if groups is None else groups[lo:hi], preferred_segment)
+                                   None if groups is None else groups[lo:hi], preferred_segment, soft_pin_s)
         return out
 
-    def _put_chunk(self, store, keys, addrs, sizes, groups, preferred_segment) -> list[int]:
+    def _put_chunk(self, store, keys, addrs, sizes, groups, preferred_segment, soft_pin_s) -> list[int]:
         def put(idx: list[int]) -> list[int]:
             cfg = self._replicate_cls()
             if groups is not None:
                 cfg.group_ids = [groups[i] for i in idx]
             if preferred_segment:
                 cfg.preferred_segment = preferred_segment
+            if soft_pin_s > 0:
+                cfg.soft_pin_action = self._pin_enable
+                cfg.soft_pin_ttl_ms = max(1, round(soft_pin_s * 1000))
             return self._call(lambda k, a, n: store.batch_put_from(k, a, n, cfg), len(idx),
                               [keys[i] for i in idx], [addrs[i] for i in idx], [sizes[i] for i in idx])
 

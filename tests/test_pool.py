@@ -463,3 +463,38 @@ def test_objects_of_one_group_are_evicted_together(nats_url, tmp_path):
         p.stop()
 
 
+
+
+def test_soft_pinned_objects_are_evicted_last(nats_url, tmp_path):
+    """Session retention's pool half (put_from(soft_pin_s=...)): a 32 MiB pool takes 12 pinned 1 MiB objects,
+    then 40 unpinned ones (twice what is left). The master evicts unpinned objects only: every pinned one is
+    still there. A pin that has run out protects nothing: the same fill, pinned for 0.3 s, loses them."""
+    p = Pool(nats_url, tmp_path, master_overrides=["master.default_kv_lease_ttl_ms=100"], store_bytes=[32 * MiB])
+    b = None
+    try:
+        b = Buffers(p.master_addr, nbytes=2 * MiB)
+
+        def fill(tag: str, pin_s: float, wait_s: float) -> tuple[int, int]:
+            pinned = [f"{tag}/pinned{i}" for i in range(12)]
+            for k in pinned:
+                assert b.put([k], MiB, soft_pin_s=pin_s) == [0]
+            time.sleep(wait_s)
+            plain = [f"{tag}/plain{i}" for i in range(40)]
+            for k in plain:
+                assert b.put([k], MiB, offset=MiB) == [0]
+            return sum(b.client.exists(pinned)), sum(b.client.exists(plain))
+
+        kept, plain_left = fill("long", pin_s=60.0, wait_s=0.2)
+        print(f"pinned 60 s: {kept}/12 pinned kept, {plain_left}/40 unpinned left")
+        assert kept == 12 and plain_left < 40
+        for tag in ("long",):  # make room for the second fill
+            b.client.remove([f"{tag}/pinned{i}" for i in range(12)] + [f"{tag}/plain{i}" for i in range(40)], True)
+        kept, plain_left = fill("short", pin_s=0.3, wait_s=0.5)
+        print(f"pinned 0.3 s, filled after 0.5 s: {kept}/12 pinned kept, {plain_left}/40 unpinned left")
+        assert kept < 12
+        with pytest.raises(ValueError, match="soft_pin_s"):
+            b.put(["x"], MiB, soft_pin_s=-1)
+    finally:
+        if b is not None:
+            b.close()
+        p.stop()

@@ -26,6 +26,7 @@ from shared.kv_object import HEADER_BYTES
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.loop import EngineLoop
 from shared.engine.sampling import SamplingParams
+from shared.messages import SessionTurn
 
 CHUNK = 64
 BPC = CHUNK // 16  # blocks per chunk
@@ -38,6 +39,7 @@ class MemoryPool:
     def __init__(self):
         self.objects: dict[str, bytes] = {}
         self.puts: list[list[str]] = []  # keys of each put_from call
+        self.pins: list[float] = []       # soft_pin_s of each put_from call
 
     def register(self, tensor) -> None:
         pass
@@ -70,8 +72,9 @@ class MemoryPool:
             out.append(len(data))
         return out
 
-    def put_from(self, keys, addrs, sizes, group_id=None):
+    def put_from(self, keys, addrs, sizes, group_id=None, soft_pin_s=0.0):
         self.puts.append(list(keys))
+        self.pins.append(soft_pin_s)
         for k, a, n in zip(keys, addrs, sizes):
             self.objects.setdefault(k, ctypes.string_at(a, n))
         return [0] * len(keys)
@@ -192,8 +195,9 @@ class FailingPool(MemoryPool):
         super().__init__()
         self.bad = bad
 
-    def put_from(self, keys, addrs, sizes, group_id=None):
+    def put_from(self, keys, addrs, sizes, group_id=None, soft_pin_s=0.0):
         self.puts.append(list(keys))
+        self.pins.append(soft_pin_s)
         self.groups = list(group_id)
         out = []
         for k, a, n in zip(keys, addrs, sizes):
@@ -379,6 +383,49 @@ async def test_save_goes_after_its_max_delay(saving):
     await loop.call(lambda: engine.abort("busy"))
 
 
+async def test_a_session_save_waits_for_its_turn_end_to_pin(saving):
+    """Session retention: an idle engine is not enough for a session's save; the turn's end decides the soft
+    pin (a tool call: the router's pin_s; the task's end: none), and a turn that has not ended when the save
+    must go (its max delay) pins for the last pin a returning turn brought."""
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    conn = connector(pool, save_max_delay_s=60)
+    turn = lambda back, pin_s=0.0: SessionTurn("s1", "", back, pin_s)  # noqa: E731
+
+    async def save_of(session: str, rid: str, told=None) -> asyncio.Task:
+        blocks = await loop.call(lambda: hold(conn))
+        task = asyncio.create_task(conn.save(rid, prompt, blocks, None, "", session))
+        await asyncio.sleep(0.3)
+        assert not task.done() and conn.saver.held_blocks == 5 * BPC, "an idle engine, but the turn goes on"
+        conn.saver.turns.check_integrity()
+        if told is not None:
+            conn.saver.turn_ended(told)
+        return task
+
+    ended = []
+
+    async def after_ended(key):  # prefill demotes the session's blocks: they are free by now
+        ended.append((key, conn.saver.held_blocks))
+
+    conn.saver.after_ended = after_ended
+    assert not conn.saver.turn_ended(turn(True, 99.0))  # a turn nobody waits for is not kept
+    conn.saver.turns.check_integrity()
+    await asyncio.wait_for(await save_of("s1", "back", turn(True, 120.0)), 10)
+    assert pool.pins == [120.0] and conn.counters["saved_pinned_chunks"] == 5 and ended == []
+    for k in list(pool.objects):
+        pool.objects.pop(k)
+    await asyncio.wait_for(await save_of("s1", "ended", turn(False)), 10)
+    assert pool.pins == [120.0, 0.0] and conn.counters["saved_pinned_chunks"] == 5
+    assert ended == [(("", "s1"), 0)]
+    conn.saver.settings.save_max_delay_s = 0.5
+    for k in list(pool.objects):
+        pool.objects.pop(k)
+    await asyncio.wait_for(await save_of("s1", "no-end"), 10)
+    assert pool.pins == [120.0, 0.0, 120.0] and conn.counters["save_turn_unknown"] == 1
+    conn.saver.turns.check_integrity()
+    assert conn.saver.held_blocks == 0 and not conn.saver.turns._waiting
+
+
 async def test_cancelled_waiting_save_releases_its_blocks_once(saving):
     engine, loop, connector, prompt, hold = saving
     pool = MemoryPool()
@@ -517,9 +564,9 @@ async def test_save_max_mbps_paces_the_puts(saving):
         def exists(self, keys):
             return [False] * len(keys)
 
-        def put_from(self, keys, addrs, sizes, group_id=None):
+        def put_from(self, keys, addrs, sizes, group_id=None, soft_pin_s=0.0):
             self.times = getattr(self, "times", []) + [_time.monotonic()]
-            return super().put_from(keys, addrs, sizes, group_id)
+            return super().put_from(keys, addrs, sizes, group_id, soft_pin_s)
 
     pool = Forgetful()
     probe = connector(MemoryPool())
@@ -529,3 +576,68 @@ async def test_save_max_mbps_paces_the_puts(saving):
         blocks = await loop.call(lambda: hold(conn))
         await conn.save("w", prompt, blocks, None)
     assert len(pool.times) == 2 and pool.times[1] - pool.times[0] >= 0.39
+
+
+async def test_prefetch_brings_a_paused_session_back_into_free_blocks_only(saving, tiny):
+    """Prefetch on resume (services/prefill/prefetch.py): halfway through the expected pause, the chunks of the
+    session's last prompt come back from the pool into blocks that held nothing, and its next request finds
+    them on the device (used) and computes from them the tokens it would have from scratch. With no plain free
+    block nothing is taken (nothing cached is evicted); prefetched blocks evicted before the return are wasted."""
+    from services.prefill.prefetch import PREFETCH_AT, Prefetcher
+
+    engine, loop, connector, prompt, hold = saving
+    pool = MemoryPool()
+    saver = connector(pool)
+    await saver.save("w", prompt, await loop.call(lambda: hold(saver)), None)
+    other = Engine(tiny, EngineConfig(num_blocks=48, chunk_tokens=CHUNK, stages=2))
+    other_loop = EngineLoop(other, lambda outs: asyncio.sleep(0))
+    other_loop.start()
+    tasks = []
+    try:
+        conn = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True))
+        pf = Prefetcher(conn, lambda coro: tasks.append(asyncio.ensure_future(coro)))
+        bm, key = other.block_manager, ("", "s1")
+
+        async def device_tokens(p):
+            return await other_loop.call(lambda: bm.match_prefix(p, max_tokens=len(p) - 1).num_tokens)
+
+        async def pause(expect_s: float):
+            pf.expect(key, expect_s)
+            await asyncio.sleep(expect_s * PREFETCH_AT + 0.2)
+            await asyncio.gather(*tasks)
+            pf.check_integrity()
+
+        pf.submitted(key, prompt)
+        pf.expect(("", "unknown"), 0.2)  # a session it never saw: nothing
+        await pause(0.0)  # the router has seen too few pauses: no prefetch
+        assert pf.counters["prefetches"] == 0 and await device_tokens(prompt) == 0
+        busy = await other_loop.call(lambda: bm.allocate(bm.num_blocks - 2))  # 2 plain free < a chunk's 4 blocks
+        await pause(0.2)
+        assert pf.counters["prefetches"] == 0 and pf.counters["prefetch_nothing_to_do"] == 1
+        await other_loop.call(lambda: bm.release(busy))
+        await pause(0.2)
+        assert pf.counters["prefetches"] == 1 and pf.counters["prefetched_chunks"] == 5
+        assert await device_tokens(prompt) == 5 * CHUNK and bm.num_cached_blocks == 5 * BPC
+        full = prompt + prompt_ids(8, 20)
+        pf.submitted(key, full)  # the session is back
+        await asyncio.gather(*tasks)
+        assert pf.counters["prefetch_used"] == 1 and pf.counters["prefetch_wasted"] == 0
+        restored = await conn.restore("r", full, None)
+        assert restored.token_range == (0, 0) and len(restored.pinned) == 5 * BPC  # all from the device
+        assert await _run(other, other_loop, restored, full) == scratch(tiny, full)
+        # again, but the device loses the prefetched blocks before the session returns
+        await other_loop.call(lambda: bm.drop_cached(bm.block_hashes(full)))
+        await pause(0.2)
+        assert pf.counters["prefetches"] == 2
+        await other_loop.call(lambda: bm.drop_cached(bm.block_hashes(full)))
+        pf.submitted(key, full + prompt_ids(9, 20))
+        await asyncio.gather(*tasks)
+        assert pf.counters["prefetch_wasted"] == 1
+        await pause(0.2)  # a third time, then closed: wasted too
+        pf.forget(key)
+        assert pf.counters["prefetch_wasted"] == 2
+        pf.check_integrity()
+        await pf.close()
+    finally:
+        await other_loop.stop()
+    other.block_manager.check_integrity()

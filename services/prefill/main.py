@@ -27,6 +27,7 @@ from shared.hashing import chunk_hashes
 from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport, SessionClose,
                              PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
+from services.prefill.prefetch import Prefetcher
 from shared.sessions import SessionIndex, SessionKV
 from shared.tracing import get_tracer
 
@@ -75,6 +76,7 @@ class PrefillService:
                                "handoff_reused_blocks": 0}  # blocks decode held already (decode reuse): not sent
         self.prompt_tokens = {"device": 0, "store": 0, "computed": 0}  # prompt tokens by source, since start
         self.pool = None  # PoolConnector when the shared pool is enabled
+        self.prefetch = None  # Prefetcher: sessions paused for a tool get their history back from the pool
         self.sessions = SessionIndex()  # the KV each session alone uses: freed when it is closed
         self.session_totals = {"sessions_closed": 0, "session_blocks_dropped": 0, "session_objects_removed": 0,
                                "sessions_ended": 0, "session_blocks_demoted": 0}
@@ -108,6 +110,8 @@ class PrefillService:
             p.block_hashes = blocks if reuse else []
             if msg.session_id:
                 self._record_session(msg, blocks, ns.seed)
+                if self.prefetch is not None:
+                    self.prefetch.submitted((msg.tenant, msg.session_id), msg.prompt_ids)
         return Ack(msg.request_id, True)
 
     def _record_session(self, msg: PrefillSubmit, blocks: list[bytes], seed: bytes) -> None:
@@ -119,6 +123,8 @@ class PrefillService:
         """Free what only this session used: its blocks in the device prefix cache that no request holds, and
         its chunks' pool objects (shared/sessions.py says what "only" means)."""
         closed = self.sessions.close((msg.tenant, msg.session_id))
+        if self.prefetch is not None:
+            self.prefetch.forget((msg.tenant, msg.session_id))
         if not closed.known:
             return
         dropped = await self.loop.call_now(lambda: self.engine.block_manager.drop_cached(closed.blocks))
@@ -138,8 +144,16 @@ class PrefillService:
                       exclusive_blocks=len(closed.blocks), exclusive_chunks=len(closed.chunks))
 
     async def on_session_turn(self, msg: SessionTurn, raw) -> None:
-        """A session whose answer ended its task: the device blocks only it holds are the first to be evicted."""
-        alone = None if msg.expected_back else self.sessions.alone((msg.tenant, msg.session_id))
+        """A session's turn was answered: a save waiting for it pins or not (pool_save.py); a session whose
+        answer ended its task has the device blocks only it holds evicted first (once that save let go of them)."""
+        waited = self.pool is not None and self.pool.saver.turn_ended(msg)
+        if msg.expected_back and self.prefetch is not None:
+            self.prefetch.expect((msg.tenant, msg.session_id), msg.expect_in_s)
+        if not msg.expected_back and not waited:
+            await self._demote_ended((msg.tenant, msg.session_id))
+
+    async def _demote_ended(self, key: tuple[str, str]) -> None:
+        alone = self.sessions.alone(key)
         if alone:
             moved = await self.loop.call_now(lambda: self.engine.block_manager.demote(alone))
             self.session_totals["sessions_ended"] += 1
@@ -314,7 +328,8 @@ class PrefillService:
         except ValueError:  # a block already went back to the plain free pool: nothing to save
             return
         if blocks:
-            self._spawn(self.pool.save(p.seq.request_id, p.seq.prompt_ids, blocks, p.trace_ctx, p.submit.tenant))
+            self._spawn(self.pool.save(p.seq.request_id, p.seq.prompt_ids, blocks, p.trace_ctx, p.submit.tenant,
+                                       p.submit.session_id if p.submit.retain else None))
 
     def _sources(self, seq: Sequence) -> dict:
         store = seq.num_store_tokens
@@ -405,7 +420,8 @@ class PrefillService:
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
                           {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
-                           "pool": dict(self.pool.counters) if self.pool else None,
+                           "pool": {**self.pool.counters, **(self.prefetch.counters if self.prefetch else {})}
+                           if self.pool else None,
                            "pool_dtype": str(self.pool.pool_dtype).removeprefix("torch.") if self.pool else None,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
                            "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})
@@ -443,6 +459,10 @@ async def serve(ctx: ServiceContext) -> None:
                                  copy_threads=cfg.transfer.copy_threads, transport=transport if same_fabric else None,
                                  register_pages=cfg.transfer.register_pages)
         svc.pool.saver.handing_off = svc.handing_off
+        svc.pool.saver.after_ended = svc._demote_ended
+        if cfg.pool.prefetch:
+            svc.prefetch = Prefetcher(svc.pool, svc._spawn)
+            ctx.on_stop.append(svc.prefetch.close)
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()
     events.start()

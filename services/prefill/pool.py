@@ -135,7 +135,8 @@ class PoolConnector:
             self.reads = DirectReads(client, transport)
         self.restore_lock = asyncio.Lock()
         self.counters = {"restored_chunks": 0, "restored_bytes": 0, "verify_failures": 0, "saved_chunks": 0,
-                         "save_skipped": 0, "save_failures": 0, "lookup_errors": 0}
+                         "saved_pinned_chunks": 0, "save_turn_unknown": 0, "save_skipped": 0, "save_failures": 0,
+                         "lookup_errors": 0}
         self.saver = PoolSaver(self, on_store_event)
 
     def keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
@@ -154,12 +155,15 @@ class PoolConnector:
         return [all(f is True for f in found[i * S:(i + 1) * S]) for i in range(len(digests))]
 
     # ---- restore ---------------------------------------------------------------------------------
-    async def restore(self, request_id: str, prompt: list[int], trace_ctx, tenant: str = "") -> Restored:
+    async def restore(self, request_id: str, prompt: list[int], trace_ctx, tenant: str = "",
+                      free_only: bool = False) -> Restored:
         """The blocks this request starts from, each with a reference it hands to the engine: the
         chunks restored from the pool on top of the device prefix when that is worth it, else the
         device prefix alone. Either way they are pinned until the engine admits the request, so that
         other requests cannot evict them meanwhile. (Nothing is pinned while waiting for the restore
-        lock: a pin held there could starve the restore that holds the lock of blocks.)"""
+        lock: a pin held there could starve the restore that holds the lock of blocks.)
+        free_only (a prefetch): restore only into blocks that hold nothing cached, without waiting: it
+        evicts nothing."""
         usable = (len(prompt) - 1) // self.chunk  # leave a token to compute: its logits pick the next
         outcome = {"request_id": request_id, "prompt_tokens": len(prompt)}
         ns = self.engine.kv_namespace(tenant)
@@ -180,7 +184,7 @@ class PoolConnector:
                 return await self._device_only("miss", prompt, outcome, ns)
         with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
             async with self.restore_lock:
-                restored = await self._restore(prompt, digests[:c0 + hits], span, ns)
+                restored = await self._restore(prompt, digests[:c0 + hits], span, ns, free_only)
         if restored is None:
             return await self._device_only("no_free_blocks", prompt, outcome, ns)
         outcome["restored_chunks"] = restored.stats["chunks"]
@@ -200,7 +204,8 @@ class PoolConnector:
         log.info("restore", outcome=how, **fields)
         return restored
 
-    async def _restore(self, prompt: list[int], digests: list[bytes], span, ns: KVNamespace) -> Restored | None:
+    async def _restore(self, prompt: list[int], digests: list[bytes], span, ns: KVNamespace,
+                       free_only: bool = False) -> Restored | None:
         """Restores chunks after the device prefix, up to len(digests). The device may have changed
         since the lookup (this request may have waited for the lock): start from what it holds now.
         When the free blocks cannot take every hit chunk, wait up to `restore_wait_s` for them (other
@@ -217,9 +222,9 @@ class PoolConnector:
             prefix = held[:c_start * bpc]
             self.bm.acquire(prefix)  # first: a cached-free prefix block must not count as free below
             want = len(digests) - c_start
-            n = min(want, self.bm.num_free_blocks // bpc)
+            n = min(want, (self.bm.num_plain_free_blocks if free_only else self.bm.num_free_blocks) // bpc)
             verdict = None
-            if wait and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
+            if wait and not free_only and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
                 verdict = False
             elif n * self.chunk >= self.min_restore:
                 with contextlib.suppress(OutOfBlocks):
@@ -395,6 +400,7 @@ class PoolConnector:
         return self.saver.hold(prompt, block_table)
 
     async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx,
-                   tenant: str = "") -> None:
-        """Saves the chunks the pool lacks (deferred, batched) and releases `blocks` exactly once."""
-        await self.saver.save(request_id, prompt, blocks, trace_ctx, tenant)
+                   tenant: str = "", session: str | None = None) -> None:
+        """Saves the chunks the pool lacks (deferred, batched) and releases `blocks` exactly once; `session`:
+        the turn's end decides their soft pin (pool_save.py)."""
+        await self.saver.save(request_id, prompt, blocks, trace_ctx, tenant, session)

@@ -13,6 +13,14 @@ session's next turn on this prefill hits them either way. A waiting save goes at
 - waiting saves pin more than `save_max_held_fraction` of the device blocks;
 - it waited `save_max_delay_s` (traffic that never lets up still gets saved, beside compute).
 
+Session retention (the router's `retention = "session"`, PrefillSubmit.retain): a session's save also
+waits for its turn's end (SessionTurn, at the answer's end, seconds later), under the same pressure rules.
+A turn that ended in a tool call is expected back: its new objects are soft-pinned for the router's `pin_s`
+(sized from the tool pauses it saw), so the master evicts them only once no unpinned object is left. A turn
+that ended the task, and every save of a request without a session, stay unpinned (plain LRU). A save that
+has to go before its turn ended pins for the last `pin_s` a turn brought (none yet: unpinned). A chunk keeps
+the pin of its first save: a later turn finds it present and skips it; reads renew a pin.
+
 How: saves run one at a time (FIFO). A save asks which of its chunks the pool lacks (now, not when it
 was queued: an earlier save may have put a shared prefix), packs them into one registered buffer, header
 and CRC-32C per object, in one worker call, and puts them with ONE batched put (up to
@@ -26,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 
 from shared.device_staging import KVStaging, host_buffer
 from shared.engine.loop import EngineLoopDead
@@ -50,6 +59,48 @@ async def finish_in_thread(fn, *args):
         raise
 
 
+class TurnEnds:
+    """How the turns of sessions with a waiting save ended (SessionTurn), keyed by (tenant, session)."""
+
+    def __init__(self):
+        self._waiting: Counter[tuple[str, str]] = Counter()
+        self._ended: dict[tuple[str, str], object] = {}
+        self.last_pin_s = 0.0  # the newest pin a returning turn brought: for saves that could not wait
+
+    def expect(self, key: tuple[str, str]) -> None:
+        if not self._waiting[key]:
+            self._ended.pop(key, None)
+        self._waiting[key] += 1
+
+    def told(self, msg) -> bool:
+        """A SessionTurn arrived; True when a save waits for it."""
+        if msg.expected_back:
+            self.last_pin_s = msg.pin_s
+        key = (msg.tenant, msg.session_id)
+        if not self._waiting.get(key):
+            return False
+        self._ended[key] = msg
+        return True
+
+    def known(self, key: tuple[str, str]) -> bool:
+        return key in self._ended
+
+    def waiting(self, key: tuple[str, str]) -> bool:
+        return bool(self._waiting.get(key))
+
+    def take(self, key: tuple[str, str]):
+        """The turn's end (None: not told) for one save that stops waiting."""
+        self._waiting[key] -= 1
+        if self._waiting[key]:
+            return self._ended.get(key)
+        del self._waiting[key]
+        return self._ended.pop(key, None)
+
+    def check_integrity(self) -> None:
+        assert all(n > 0 for n in self._waiting.values()), "a session waits for a negative number of saves"
+        assert set(self._ended) <= set(self._waiting), "a turn's end is kept with no save waiting for it"
+
+
 class PoolSaver:
     """The save half of PoolConnector (`conn`: geometry, names, counters, client and engine)."""
 
@@ -64,6 +115,8 @@ class PoolSaver:
         self.held_blocks = 0        # blocks pinned by saves that have not ended
         self.block_waiters = 0      # restores waiting for free blocks (a deferred save then goes)
         self.handing_off = lambda: False  # the prefill's: whether a handoff is in flight (its end pulses the loop)
+        self.turns = TurnEnds()     # session retention: saves waiting to know whether to pin
+        self.after_ended = None     # async fn(key): a session's task ended and its last waiting save let go of its blocks
         self._paced_until = 0.0
 
     def hold(self, prompt: list[int], block_table: list[int]) -> list[int]:
@@ -74,20 +127,51 @@ class PoolSaver:
         self.held_blocks += len(blocks)
         return blocks
 
-    def _why_go(self, deadline: float) -> str | None:
-        """Why this save may go now (a counter's name), or None: wait."""
-        e = self.engine
-        if not self.settings.save_when_idle:
-            return "eager"
-        if not e.has_unfinished() and not self.handing_off():
-            return "idle"
-        if e.stalled or self.block_waiters > 0:
+    def _pressed(self, deadline: float) -> str | None:
+        """Why a waiting save must go now, idle or not (a counter's name), or None."""
+        if self.engine.stalled or self.block_waiters > 0:
             return "blocks_wanted"
         if self.held_blocks > self.settings.save_max_held_fraction * self.bm.num_blocks:
             return "held_too_many"
         if time.monotonic() >= deadline:
             return "max_delay"
         return None
+
+    def _why_go(self, deadline: float) -> str | None:
+        """Why this save may go now (a counter's name), or None: wait."""
+        if not self.settings.save_when_idle:
+            return "eager"
+        if not self.engine.has_unfinished() and not self.handing_off():
+            return "idle"
+        return self._pressed(deadline)
+
+    def turn_ended(self, msg) -> bool:
+        """A SessionTurn (the prefill's subscription): a save waiting for it may go. True when one waits (a
+        task's end then reaches `after_ended` once that save let go of its blocks)."""
+        if self.turns.told(msg):
+            self.loop.pulse()
+            return True
+        return False
+
+    async def _pin_for(self, session: tuple[str, str] | None, deadline: float) -> tuple[float, bool]:
+        """How long this save's objects are soft-pinned: 0 without a session; else once its turn ended (or it
+        must go first: pressure, the deadline): the pin a returning turn brought, 0 for a task's end. And
+        whether this save, the session's last waiting one, learned that its task ended (after_ended's turn)."""
+        if session is None:
+            return 0.0, False
+        self.turns.expect(session)
+        try:
+            while (self.settings.save_when_idle and not self.turns.known(session)
+                   and self._pressed(deadline) is None):
+                await asyncio.shield(self.loop.changed(max(deadline - time.monotonic(), 1e-3)))
+        finally:
+            turn = self.turns.take(session)
+        if turn is None:
+            self.conn.counters["save_turn_unknown"] += 1
+            return self.turns.last_pin_s, False
+        if turn.expected_back:
+            return turn.pin_s, False
+        return 0.0, not self.turns.waiting(session)
 
     async def _turn(self, deadline: float) -> tuple[str, float]:
         """Waits (on engine state changes, never polling) until this save may go: (why, ms waited)."""
@@ -98,11 +182,15 @@ class PoolSaver:
         self.conn.counters[f"save_went_{why}"] = self.conn.counters.get(f"save_went_{why}", 0) + 1
         return why, (time.monotonic() - t0) * 1e3
 
-    async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx, tenant: str = "") -> None:
+    async def save(self, request_id: str, prompt: list[int], blocks: list[int], trace_ctx, tenant: str = "",
+                   session: str | None = None) -> None:
+        """`session`: the request's, when its turn's end decides the pin (PrefillSubmit.retain)."""
         conn, bpc = self.conn, self.conn.blocks_per_chunk
         ns = self.engine.kv_namespace(tenant)
         deadline = time.monotonic() + self.settings.save_max_delay_s
+        key, ended = None if session is None else (tenant, session), False
         try:
+            pin_s, ended = await self._pin_for(key, deadline)
             async with self.lock:
                 with tracer.start_as_current_span("store.save", context=trace_ctx) as span:
                     went, waited_ms = await self._turn(deadline)
@@ -114,10 +202,12 @@ class PoolSaver:
                     for b0 in range(0, len(todo), self.batch):
                         part = todo[b0:b0 + self.batch]
                         saved += await self._put([digests[c] for c in part],
-                                                 [blocks[c * bpc:(c + 1) * bpc] for c in part], ns)
+                                                 [blocks[c * bpc:(c + 1) * bpc] for c in part], ns, pin_s)
                         puts += 1
                     conn.counters["saved_chunks"] += len(saved)
+                    conn.counters["saved_pinned_chunks"] += len(saved) if pin_s > 0 else 0
                     span.set_attributes({"request_id": request_id, "chunks": len(saved), "puts": puts,
+                                         "pin_s": pin_s,
                                          "skipped": len(digests) - len(todo), "waited_ms": waited_ms, "went": went,
                                          "bytes": len(saved) * conn.chunk_bytes})
             if saved and self.on_store_event:
@@ -129,6 +219,8 @@ class PoolSaver:
             self.held_blocks -= len(blocks)
             with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
                 await self.loop.call_now(lambda: self.bm.release(reversed(blocks)))
+                if ended and self.after_ended is not None:
+                    await self.after_ended(key)
 
     async def _pace(self, nbytes: int) -> None:
         """save_max_mbps: this put starts when the previous ones' bytes have had their time."""
@@ -140,8 +232,10 @@ class PoolSaver:
         if start > now:
             await asyncio.sleep(start - now)
 
-    async def _put(self, digests: list[bytes], chunks: list[list[int]], ns: KVNamespace) -> list[bytes]:
-        """One batched put of these chunks (every stage of each); returns the digests that landed whole."""
+    async def _put(self, digests: list[bytes], chunks: list[list[int]], ns: KVNamespace,
+                   pin_s: float = 0.0) -> list[bytes]:
+        """One batched put of these chunks (every stage of each), soft-pinned for pin_s when > 0; returns the
+        digests that landed whole."""
         conn, S = self.conn, self.conn.stages
         keys, addrs, sizes, groups, views = [], [], [], [], []
         off, base = 0, self.buf.data_ptr()
@@ -162,7 +256,7 @@ class PoolSaver:
 
         await finish_in_thread(pack)
         await self._pace(off)
-        rc = await finish_in_thread(conn.client.put_from, keys, addrs, sizes, groups)
+        rc = await finish_in_thread(lambda: conn.client.put_from(keys, addrs, sizes, groups, soft_pin_s=pin_s))
         good, landed_of_bad = [], []
         for c, d in enumerate(digests):
             mine = rc[c * S:(c + 1) * S]

@@ -33,6 +33,8 @@ class RouterSettings:
     overlap_admission: bool = True     # submit to prefill while the gate decides, when the gate's last report says it will admit at once (saves the admit round trip)
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
     retention: str = "session"         # session: tell prefill and decode when a session's answer ended its task (no tool call), so its cached KV is evicted before that of sessions expected back; lru: say nothing (plain LRU)
+    session_pin_min_s: float = 60.0    # retention=session: a session expected back has its new pool objects soft-pinned for 1.5x the 95th percentile of the tool pauses seen (services/router/pauses.py), at least this long
+    session_pin_max_s: float = 1800.0  # ... and at most this long (also the pin until 8 pauses were seen)
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit
     instance_timeout_s: float = 10.0   # an instance whose last load report is older is not chosen for new requests (one announced exited is out at once)
@@ -43,6 +45,9 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.retention not in ("session", "lru"):
             raise ConfigError(f"router.retention must be session or lru, got {self.retention!r}")
+        if not 0 < self.session_pin_min_s <= self.session_pin_max_s:
+            raise ConfigError("router.session_pin_min_s must be positive and at most router.session_pin_max_s, got "
+                              f"{self.session_pin_min_s} and {self.session_pin_max_s}")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"router.routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.cache_aware_max_imbalance_tokens < 0:

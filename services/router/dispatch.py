@@ -29,6 +29,7 @@ from services.router.config import RouterSettings
 from services.router.guided import Guidance
 from services.router.liveness import Gone, LivenessMonitor, Watch
 from services.router.metrics import RouterMetrics
+from services.router.pauses import PauseTracker
 from services.router.routing import LoadTable, PrefillPicker, Sticky
 from services.router.schemas import OpenAIError
 from services.router.tool_calls import ToolFormat, format_for
@@ -69,6 +70,7 @@ class RouterState:
     #                                                               router's gate reservations are freed by it
     instance: str = ""  # this router's name on the bus: engines match its Holdings to what it sent them
     decode_sessions: Sticky = field(init=False)         # session -> its last decode (which holds its prompt's blocks)
+    pauses: PauseTracker = field(init=False)            # tool pauses seen: they size a returning session's pool pin
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
     guidance: Guidance = field(init=False)              # grammars for required calls and JSON answers
     tool_format: ToolFormat = field(init=False)         # how this model writes a tool call
@@ -77,6 +79,7 @@ class RouterState:
         self.guidance = Guidance(self.tokenizer)
         self.tool_format = format_for(getattr(self.tokenizer, "chat_template", ""))  # (tests build it without one)
         self.decode_sessions = Sticky(self.settings.session_idle_s)
+        self.pauses = PauseTracker(self.settings.session_pin_min_s, self.settings.session_pin_max_s, clock=self.clock)
         self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
         self.loads.listeners.append(self.monitor.on_report)
         self.loads.exit_listeners.append(self.monitor.on_exit)
@@ -87,8 +90,13 @@ class RouterState:
         return min(cap, self.max_context) if cap else self.max_context
 
     async def session_turn(self, session_id: str, tenant: str, expected_back: bool) -> None:
-        """Every prefill and decode learns whether the session's last answer ended its task (its KV goes first)."""
-        await self.bus.publish(self.bus.subjects.session_turn, SessionTurn(session_id, tenant, expected_back))
+        """Every prefill and decode learns whether the session's last answer ended its task (its KV goes first)
+        or called a tool (its new pool objects are pinned for as long as agents' tools have been taking)."""
+        self.pauses.ended((tenant, session_id), expected_back)
+        await self.bus.publish(self.bus.subjects.session_turn,
+                               SessionTurn(session_id, tenant, expected_back,
+                                           self.pauses.pin_s() if expected_back else 0.0,
+                                           self.pauses.expected_s() if expected_back else 0.0))
 
     async def close_session(self, session_id: str, tenant: str) -> None:
         """Every prefill frees the KV only this session used; its turns no longer stick to one prefill."""
@@ -320,6 +328,8 @@ class Dispatch:
     async def _submit(self, decode: str) -> None:
         """PrefillSubmit and its Ack; `decode` "" = a DecodeAssign follows (overlapped admission)."""
         s, job, rid = self.state.settings, self.job, self.request_id
+        # session retention: a SessionTurn will say how this turn ended (its pool objects' pin waits for it)
+        retain = bool(job.session_id) and s.retention == "session" and not job.close_session
         self.state.monitor.watch(self._watch, "prefill", self.prefill)  # fires at once if it is known gone
         if self._abort_error is not None:
             raise self._abort_error
@@ -328,7 +338,7 @@ class Dispatch:
             try:
                 ack = await self._unless_aborted(self.bus.request(self.bus.subjects.prefill_submit(self.prefill),
                     PrefillSubmit(rid, job.prompt_ids, job.sampling, decode, job.session_id, job.tenant,
-                                  self.state.instance, job.priority), Ack,
+                                  self.state.instance, job.priority, retain), Ack,
                     timeout=s.submit_timeout_s))
             except PayloadTooLarge as e:  # prepare() checks the size first: only a smaller server cap gets here
                 raise OpenAIError(413, f"the request is too large for the message bus: {e}",

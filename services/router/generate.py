@@ -139,6 +139,9 @@ class Generation:
             shaper = self.api.shaper(prepared, self.request_id)
             if job.session_id and self.close_session is None and self.state.settings.retention == "session":
                 self.turn = (job.tenant, job.session_id, shaper)
+                pause = self.state.pauses.returned((job.tenant, job.session_id))
+                if pause is not None:
+                    self.span.set_attribute("tool_pause_s", round(pause, 3))
             return await self._attempts(job, prepared.parsed.stream, shaper)
         except OpenAIError as e:
             out.status, out.reason = e.status, ("timeout" if e.status == 504 else "error")

@@ -83,7 +83,7 @@ async def serve(ctx: ServiceContext) -> None:
 
     def load_report() -> LoadReport:
         return LoadReport(ctx.instance, "router", True, running=state.metrics.open_requests.count,
-                          detail={"http": url, "boot": state.boot})
+                          detail={"http": url, "boot": state.boot, "sessions": state.pauses.stats()})
 
     ctx.load_report = load_report
     server = EmbeddedServer(uvicorn.Config(

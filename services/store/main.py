@@ -78,7 +78,7 @@ class Segment:
             os.environ["MC_STORE_HUGEPAGE_SIZE"] = HUGEPAGE_SIZES[plan.page_bytes]
         else:
             os.environ.pop("MC_STORE_USE_HUGEPAGE", None)  # its mere presence turns huge pages on
-        store_cls, _ = store_class()
+        store_cls = store_class()[0]
         self.store = store_cls()
         rc = self.store.setup(s.hostname, s.metadata_server, self.segment_bytes, 0, s.protocol,
                               s.device_name, s.master_addr)

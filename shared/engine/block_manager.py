@@ -74,6 +74,11 @@ class BlockManager:
         return len(self._plain_free) + len(self._cached_free)
 
     @property
+    def num_plain_free_blocks(self) -> int:
+        """Free blocks that hold nothing cached: taking one evicts nothing."""
+        return len(self._plain_free)
+
+    @property
     def num_cached_blocks(self) -> int:
         return len(self._index)
 

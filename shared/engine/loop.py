@@ -93,6 +93,10 @@ class EngineLoop:
         self._pulse()
         return result
 
+    def pulse(self) -> None:
+        """Wake what waits in `changed` (state outside the engine that they also watch has changed)."""
+        self._pulse()
+
     def _pulse(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

@@ -1,0 +1,111 @@
+"""Prefetch on resume: a session that paused for a tool finds its history in this prefill's device cache when
+it returns, brought back from the pool while it was away.
+
+A session's tool call ends its turn (SessionTurn, expected back); the router says how long agents' pauses
+have been taking (`expect_in_s`, the median it saw; 0 until it has seen enough). Meanwhile other sessions'
+work may have evicted this session's blocks from the device cache. Halfway through the expected pause
+(PREFETCH_AT) prefill looks again: the chunks of the session's last prompt that the device lost and the pool
+holds are restored (read, CRC-verified, registered, as any restore) into blocks that hold nothing cached.
+It never evicts anything: a prefetch takes only plain free blocks, and waits for none. The blocks then sit at
+the recent end of the prefix cache's LRU, where the session's next request finds them.
+
+Counted: prefetches run, chunks prefetched, and at the session's next request whether the prefetched tokens
+were still there (used) or had been evicted again (wasted); a session closed or forgotten with a prefetch
+unused counts as wasted. The router's prefill affinity sends a session back to the prefill that served it,
+the one that remembered its prompt.
+
+Bounded: the last prompt of at most `max_sessions` sessions is remembered (a reference to the submitted list).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+
+from shared.logging import get_logger
+
+PREFETCH_AT = 0.5  # of the expected pause: late enough that the device has had its churn, early enough to land
+
+log = get_logger("prefill.prefetch")
+Key = tuple[str, str]  # (tenant, session)
+
+
+class Prefetcher:
+    def __init__(self, conn, spawn: Callable, max_sessions: int = 256):
+        self.conn, self.spawn, self.max_sessions = conn, spawn, max_sessions
+        self.engine, self.loop, self.bm = conn.engine, conn.loop, conn.bm
+        self._prompts: OrderedDict[Key, list[int]] = OrderedDict()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._done: dict[Key, int] = {}  # prompt tokens the device holds thanks to a prefetch, not yet used
+        self.counters = {"prefetches": 0, "prefetched_chunks": 0, "prefetch_used": 0, "prefetch_wasted": 0,
+                         "prefetch_nothing_to_do": 0}
+
+    def submitted(self, key: Key, prompt: list[int]) -> None:
+        """The session's request arrived here: its prefetch (if any) is judged, its prompt remembered."""
+        self._cancel(key)
+        done = self._done.pop(key, None)
+        if done is not None:
+            self.spawn(self._judge(key, prompt, done))
+        self._prompts.pop(key, None)
+        self._prompts[key] = prompt
+        while len(self._prompts) > self.max_sessions:
+            self.forget(next(iter(self._prompts)))
+
+    def expect(self, key: Key, in_s: float) -> None:
+        """The session paused for a tool; agents' pauses take `in_s` (0: unknown, no prefetch)."""
+        if in_s <= 0 or key not in self._prompts:
+            return
+        self._cancel(key)
+        self._timers[key] = asyncio.get_running_loop().call_later(
+            in_s * PREFETCH_AT, lambda: self.spawn(self._run(key)))
+
+    def forget(self, key: Key) -> None:
+        """Closed or pushed out: nothing more is done for it."""
+        self._cancel(key)
+        self._prompts.pop(key, None)
+        if self._done.pop(key, None) is not None:
+            self.counters["prefetch_wasted"] += 1
+
+    async def close(self) -> None:
+        """On stop: no prefetch starts any more."""
+        for key in list(self._timers):
+            self._cancel(key)
+
+    def _cancel(self, key: Key) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def _run(self, key: Key) -> None:
+        self._timers.pop(key, None)
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            return
+        tenant, session = key
+        try:
+            restored = await self.conn.restore(f"prefetch:{session}", prompt, None, tenant, free_only=True)
+            await self.loop.call_now(lambda: self.bm.release(reversed(restored.pinned)))
+        except Exception as e:  # best effort: the request restores for itself when it comes
+            log.warning("prefetch failed", session_id=session, error=str(e))
+            return
+        chunks = restored.stats.get("chunks", 0)
+        if not chunks:
+            self.counters["prefetch_nothing_to_do"] += 1
+            return
+        self.counters["prefetches"] += 1
+        self.counters["prefetched_chunks"] += chunks
+        if key in self._prompts:  # not closed meanwhile
+            self._done[key] = restored.token_range[1]
+        log.info("prefetched", session_id=session, chunks=chunks, tokens=restored.token_range)
+
+    async def _judge(self, key: Key, prompt: list[int], tokens: int) -> None:
+        seed = self.engine.kv_namespace(key[0]).seed
+        have = await self.loop.call_now(
+            lambda: self.bm.match_prefix(prompt, max_tokens=len(prompt) - 1, seed=seed).num_tokens)
+        self.counters["prefetch_used" if have >= tokens else "prefetch_wasted"] += 1
+
+    def check_integrity(self) -> None:
+        assert len(self._prompts) <= self.max_sessions
+        assert set(self._timers) <= set(self._prompts), "a prefetch is timed for a session it forgot"
+        assert set(self._done) <= set(self._prompts), "a prefetch is judged for a session it forgot"

@@ -119,6 +119,25 @@ def test_plain_free_blocks_preferred_over_cached():
     assert bm.allocate(1) == [cached[0]] and len(events) == 1 and bm.num_cached_blocks == 1
 
 
+def test_allocate_never_evicts_a_kept_hash():
+    """A prefetch's allocation (allocate(n, keep)): plain blocks first, then the least recently used cached
+    blocks outside `keep`; asking for more than that raises and changes nothing."""
+    bm, events = make(5)
+    seqs = [prefill(bm, toks(B, 100 * k)) for k in range(4)]  # a, b, c, d: one block each
+    hashes = [bm.block_hashes(toks(B, 100 * k))[0] for k in range(4)]
+    for k in range(4):
+        bm.release(seqs[k])
+    keep = {hashes[0], hashes[2]}  # a and c: sessions expected back sooner
+    assert bm.spare_blocks(keep) == 1 + 2 and bm.spare_blocks(set()) == 5
+    events.clear()
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(4, keep)
+    assert events == [] and bm.num_cached_blocks == 4
+    got = bm.allocate(2, keep)  # the plain block, then b (older than d)
+    assert seqs[1][0] in got and events == [BlockRemoved([hashes[1]])]
+    assert [bm.lookup(h) is not None for h in hashes] == [True, False, True, True]
+
+
 def test_out_of_blocks_changes_nothing():
     bm, events = make(4)
     cached = prefill(bm, toks(2 * B))

@@ -32,13 +32,14 @@ def test_a_pause_runs_from_a_tool_call_to_the_next_request():
 def test_the_pin_outlasts_most_pauses_within_its_bounds():
     clock = Clock()
     p = PauseTracker(60, 1800, clock=clock)
-    assert p.pin_s() == 1800  # nothing seen yet: the longest
+    assert p.pin_s() == 1800 and p.expected_s() == 0.0  # nothing seen yet: the longest pin, no prefetch
     for i in range(MIN_SAMPLES * 4):
         key = ("", f"s{i}")
         p.ended(key, True)
         clock.t += 100.0 if i % 8 else 200.0  # mostly 100 s tools, a few of 200 s
         p.returned(key)
     assert 100 * PAUSE_MARGIN < p.pin_s() <= 200 * PAUSE_MARGIN
+    assert p.expected_s() == 100.0  # the median: when a paused session is most likely back
     short = PauseTracker(60, 1800, clock=clock)
     for i in range(MIN_SAMPLES):
         short.ended(("", str(i)), True)

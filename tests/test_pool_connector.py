@@ -580,10 +580,12 @@ async def test_save_max_mbps_paces_the_puts(saving):
 
 async def test_prefetch_brings_a_paused_session_back_into_free_blocks_only(saving, tiny):
     """Prefetch on resume (services/prefill/prefetch.py): halfway through the expected pause, the chunks of the
-    session's last prompt come back from the pool into blocks that held nothing, and its next request finds
-    them on the device (used) and computes from them the tokens it would have from scratch. With no plain free
-    block nothing is taken (nothing cached is evicted); prefetched blocks evicted before the return are wasted."""
+    session's last prompt come back from the pool into free blocks, and its next request finds them on the
+    device (used) and computes from them the tokens it would have from scratch. Cached blocks of a session
+    expected back sooner are never taken (those of one expected later are); prefetched blocks evicted before
+    the return are wasted."""
     from services.prefill.prefetch import PREFETCH_AT, Prefetcher
+    from shared.sessions import SessionIndex, SessionKV
 
     engine, loop, connector, prompt, hold = saving
     pool = MemoryPool()
@@ -595,8 +597,9 @@ async def test_prefetch_brings_a_paused_session_back_into_free_blocks_only(savin
     tasks = []
     try:
         conn = PoolConnector(pool, other, other_loop, PoolSettings(enabled=True))
-        pf = Prefetcher(conn, lambda coro: tasks.append(asyncio.ensure_future(coro)))
-        bm, key = other.block_manager, ("", "s1")
+        sessions = SessionIndex()
+        pf = Prefetcher(conn, lambda coro: tasks.append(asyncio.ensure_future(coro)), sessions)
+        bm, key, sooner = other.block_manager, ("", "s1"), ("", "p")
 
         async def device_tokens(p):
             return await other_loop.call(lambda: bm.match_prefix(p, max_tokens=len(p) - 1).num_tokens)
@@ -611,31 +614,49 @@ async def test_prefetch_brings_a_paused_session_back_into_free_blocks_only(savin
         pf.expect(("", "unknown"), 0.2)  # a session it never saw: nothing
         await pause(0.0)  # the router has seen too few pauses: no prefetch
         assert pf.counters["prefetches"] == 0 and await device_tokens(prompt) == 0
-        busy = await other_loop.call(lambda: bm.allocate(bm.num_blocks - 2))  # 2 plain free < a chunk's 4 blocks
+        # another paused session's 5 cached chunks are all the device has free, with 2 plain blocks
+        other_prompt = prompt_ids(12, PROMPT)
+        seq = await other_loop.call(lambda: other.add_request("p", other_prompt, SamplingParams(max_tokens=1)))
+        while not seq.is_finished:
+            await asyncio.sleep(0.01)
+        sessions.record(sooner, SessionKV(tuple(bm.block_hashes(other_prompt)), ()))
+        pf.submitted(sooner, other_prompt)
+        busy = await other_loop.call(lambda: bm.allocate(bm.num_plain_free_blocks - 2))
+        assert bm.num_free_blocks == 2 + 5 * BPC
+        pf.expect(sooner, 0.1)  # back sooner than s1: its blocks are kept
         await pause(0.2)
-        assert pf.counters["prefetches"] == 0 and pf.counters["prefetch_nothing_to_do"] == 1
+        # s1's prefetch found no block it may take; p's own found its history still on the device
+        assert pf.counters["prefetches"] == 0 and pf.counters["prefetch_nothing_to_do"] == 2
+        assert await device_tokens(other_prompt) == 5 * CHUNK
+        pf.expect(sooner, 100.0)  # back later than s1: its blocks may go
+        await pause(0.2)
+        assert pf.counters["prefetches"] == 1 and await device_tokens(other_prompt) < 5 * CHUNK
         await other_loop.call(lambda: bm.release(busy))
+        await other_loop.call(lambda: bm.drop_cached(bm.block_hashes(prompt)))  # evicted before s1 came back
+        pf.submitted(key, prompt)
+        await asyncio.gather(*tasks)
+        assert pf.counters["prefetch_wasted"] == 1
         await pause(0.2)
-        assert pf.counters["prefetches"] == 1 and pf.counters["prefetched_chunks"] == 5
-        assert await device_tokens(prompt) == 5 * CHUNK and bm.num_cached_blocks == 5 * BPC
+        assert pf.counters["prefetches"] == 2 and pf.counters["prefetched_chunks"] == 10
+        assert await device_tokens(prompt) == 5 * CHUNK
         full = prompt + prompt_ids(8, 20)
         pf.submitted(key, full)  # the session is back
         await asyncio.gather(*tasks)
-        assert pf.counters["prefetch_used"] == 1 and pf.counters["prefetch_wasted"] == 0
+        assert pf.counters["prefetch_used"] == 1 and pf.counters["prefetch_wasted"] == 1
         restored = await conn.restore("r", full, None)
         assert restored.token_range == (0, 0) and len(restored.pinned) == 5 * BPC  # all from the device
         assert await _run(other, other_loop, restored, full) == scratch(tiny, full)
         # again, but the device loses the prefetched blocks before the session returns
         await other_loop.call(lambda: bm.drop_cached(bm.block_hashes(full)))
         await pause(0.2)
-        assert pf.counters["prefetches"] == 2
+        assert pf.counters["prefetches"] == 3
         await other_loop.call(lambda: bm.drop_cached(bm.block_hashes(full)))
         pf.submitted(key, full + prompt_ids(9, 20))
         await asyncio.gather(*tasks)
-        assert pf.counters["prefetch_wasted"] == 1
-        await pause(0.2)  # a third time, then closed: wasted too
-        pf.forget(key)
         assert pf.counters["prefetch_wasted"] == 2
+        await pause(0.2)  # again, then closed: wasted too
+        pf.forget(key)
+        assert pf.counters["prefetch_wasted"] == 3
         pf.check_integrity()
         await pf.close()
     finally:

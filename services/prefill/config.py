@@ -22,7 +22,7 @@ class PoolSettings(PoolConfig):
     restore_in_place: bool = True          # read restored chunks straight into their device blocks and verify them there (CPU pages; else through a registered buffer, then unpacked)
     restore_direct_reads: bool = True      # read restored objects from the stores' memory with prefill's own Transfer Engine, waited for without spinning (shared/pool_reads.py); false: through the store client, whose reads busy-poll a core
     restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
-    prefetch: bool = True                  # a session paused for a tool (router.retention = session) gets the chunks of its history the device lost back from the pool, into free blocks only, halfway through the pause agents take (services/prefill/prefetch.py)
+    prefetch: bool = True                  # a session paused for a tool (router.retention = session) gets the chunks of its history the device lost back from the pool halfway through the pause agents take, into free blocks, never evicting a session expected back sooner (services/prefill/prefetch.py)
     save: bool = True                      # save each new full prompt chunk after prefill (async)
     save_batch_chunks: int = 8             # chunks per batched put (one put per request up to this; sizes the registered save buffer)
     save_when_idle: bool = True            # defer saves until the engine is idle and no handoff is in flight (or blocks are short, or save_max_delay_s passed): saving never slows compute or a handoff

@@ -461,7 +461,7 @@ async def serve(ctx: ServiceContext) -> None:
         svc.pool.saver.handing_off = svc.handing_off
         svc.pool.saver.after_ended = svc._demote_ended
         if cfg.pool.prefetch:
-            svc.prefetch = Prefetcher(svc.pool, svc._spawn)
+            svc.prefetch = Prefetcher(svc.pool, svc._spawn, svc.sessions)
             ctx.on_stop.append(svc.prefetch.close)
         ctx.on_stop.append(lambda: asyncio.to_thread(client.close))
     svc.loop.start()

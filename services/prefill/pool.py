@@ -156,14 +156,14 @@ class PoolConnector:
 
     # ---- restore ---------------------------------------------------------------------------------
     async def restore(self, request_id: str, prompt: list[int], trace_ctx, tenant: str = "",
-                      free_only: bool = False) -> Restored:
+                      keep: set[bytes] | None = None) -> Restored:
         """The blocks this request starts from, each with a reference it hands to the engine: the
         chunks restored from the pool on top of the device prefix when that is worth it, else the
         device prefix alone. Either way they are pinned until the engine admits the request, so that
         other requests cannot evict them meanwhile. (Nothing is pinned while waiting for the restore
         lock: a pin held there could starve the restore that holds the lock of blocks.)
-        free_only (a prefetch): restore only into blocks that hold nothing cached, without waiting: it
-        evicts nothing."""
+        keep (a prefetch): restore without waiting, only into blocks that hold nothing cached or hold a
+        block whose hash is not kept (the KV of sessions expected back sooner)."""
         usable = (len(prompt) - 1) // self.chunk  # leave a token to compute: its logits pick the next
         outcome = {"request_id": request_id, "prompt_tokens": len(prompt)}
         ns = self.engine.kv_namespace(tenant)
@@ -184,7 +184,7 @@ class PoolConnector:
                 return await self._device_only("miss", prompt, outcome, ns)
         with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
             async with self.restore_lock:
-                restored = await self._restore(prompt, digests[:c0 + hits], span, ns, free_only)
+                restored = await self._restore(prompt, digests[:c0 + hits], span, ns, keep)
         if restored is None:
             return await self._device_only("no_free_blocks", prompt, outcome, ns)
         outcome["restored_chunks"] = restored.stats["chunks"]
@@ -205,7 +205,7 @@ class PoolConnector:
         return restored
 
     async def _restore(self, prompt: list[int], digests: list[bytes], span, ns: KVNamespace,
-                       free_only: bool = False) -> Restored | None:
+                       keep: set[bytes] | None = None) -> Restored | None:
         """Restores chunks after the device prefix, up to len(digests). The device may have changed
         since the lookup (this request may have waited for the lock): start from what it holds now.
         When the free blocks cannot take every hit chunk, wait up to `restore_wait_s` for them (other
@@ -222,13 +222,13 @@ class PoolConnector:
             prefix = held[:c_start * bpc]
             self.bm.acquire(prefix)  # first: a cached-free prefix block must not count as free below
             want = len(digests) - c_start
-            n = min(want, (self.bm.num_plain_free_blocks if free_only else self.bm.num_free_blocks) // bpc)
+            n = min(want, (self.bm.num_free_blocks if keep is None else self.bm.spare_blocks(keep)) // bpc)
             verdict = None
-            if wait and not free_only and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
+            if wait and keep is None and n < want and want * bpc <= self.bm.num_blocks - len(prefix):
                 verdict = False
             elif n * self.chunk >= self.min_restore:
                 with contextlib.suppress(OutOfBlocks):
-                    return c_start, prefix, self.bm.allocate(n * bpc)
+                    return c_start, prefix, self.bm.allocate(n * bpc, keep)
             self.bm.release(reversed(prefix))
             return verdict
 

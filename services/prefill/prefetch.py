@@ -5,9 +5,12 @@ A session's tool call ends its turn (SessionTurn, expected back); the router say
 have been taking (`expect_in_s`, the median it saw; 0 until it has seen enough). Meanwhile other sessions'
 work may have evicted this session's blocks from the device cache. Halfway through the expected pause
 (PREFETCH_AT) prefill looks again: the chunks of the session's last prompt that the device lost and the pool
-holds are restored (read, CRC-verified, registered, as any restore) into blocks that hold nothing cached.
-It never evicts anything: a prefetch takes only plain free blocks, and waits for none. The blocks then sit at
-the recent end of the prefix cache's LRU, where the session's next request finds them.
+holds are restored (read, CRC-verified, registered, as any restore) into free blocks, waiting for none.
+It never evicts a session more likely to be back sooner: the cached blocks of every session paused here and
+expected back no later than this one (and not overdue by more than its own expected pause: a session whose
+return pattern lied stops being protected) are kept; plain free blocks go first, then the least recently
+used of the rest (sessions that ended, traffic without a session, sessions expected back later). The blocks
+then sit at the recent end of the prefix cache's LRU, where the session's next request finds them.
 
 Counted: prefetches run, chunks prefetched, and at the session's next request whether the prefetched tokens
 were still there (used) or had been evicted again (wasted); a session closed or forgotten with a prefetch
@@ -20,10 +23,12 @@ Bounded: the last prompt of at most `max_sessions` sessions is remembered (a ref
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 from shared.logging import get_logger
+from shared.sessions import SessionIndex
 
 PREFETCH_AT = 0.5  # of the expected pause: late enough that the device has had its churn, early enough to land
 
@@ -32,11 +37,13 @@ Key = tuple[str, str]  # (tenant, session)
 
 
 class Prefetcher:
-    def __init__(self, conn, spawn: Callable, max_sessions: int = 256):
-        self.conn, self.spawn, self.max_sessions = conn, spawn, max_sessions
+    def __init__(self, conn, spawn: Callable, sessions: SessionIndex, max_sessions: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
+        self.conn, self.spawn, self.sessions, self.max_sessions, self.clock = conn, spawn, sessions, max_sessions, clock
         self.engine, self.loop, self.bm = conn.engine, conn.loop, conn.bm
         self._prompts: OrderedDict[Key, list[int]] = OrderedDict()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._paused: dict[Key, tuple[float, float]] = {}  # session -> (paused at, expected back at)
         self._done: dict[Key, int] = {}  # prompt tokens the device holds thanks to a prefetch, not yet used
         self.counters = {"prefetches": 0, "prefetched_chunks": 0, "prefetch_used": 0, "prefetch_wasted": 0,
                          "prefetch_nothing_to_do": 0}
@@ -44,6 +51,7 @@ class Prefetcher:
     def submitted(self, key: Key, prompt: list[int]) -> None:
         """The session's request arrived here: its prefetch (if any) is judged, its prompt remembered."""
         self._cancel(key)
+        self._paused.pop(key, None)
         done = self._done.pop(key, None)
         if done is not None:
             self.spawn(self._judge(key, prompt, done))
@@ -57,6 +65,8 @@ class Prefetcher:
         if in_s <= 0 or key not in self._prompts:
             return
         self._cancel(key)
+        now = self.clock()
+        self._paused[key] = (now, now + in_s)
         self._timers[key] = asyncio.get_running_loop().call_later(
             in_s * PREFETCH_AT, lambda: self.spawn(self._run(key)))
 
@@ -64,6 +74,7 @@ class Prefetcher:
         """Closed or pushed out: nothing more is done for it."""
         self._cancel(key)
         self._prompts.pop(key, None)
+        self._paused.pop(key, None)
         if self._done.pop(key, None) is not None:
             self.counters["prefetch_wasted"] += 1
 
@@ -77,14 +88,25 @@ class Prefetcher:
         if timer is not None:
             timer.cancel()
 
+    def protected(self, key: Key) -> set[bytes]:
+        """The device blocks a prefetch for `key` must not evict: those of the sessions paused here that are
+        expected back no later than it, unless overdue by more than their own expected pause."""
+        now, back_at = self.clock(), self._paused[key][1]
+        keep: set[bytes] = set()
+        for other, (paused_at, at) in self._paused.items():
+            kv = self.sessions.sessions.get(other)
+            if kv is not None and at <= back_at and now <= at + (at - paused_at):
+                keep.update(kv.blocks)
+        return keep
+
     async def _run(self, key: Key) -> None:
         self._timers.pop(key, None)
         prompt = self._prompts.get(key)
-        if prompt is None:
+        if prompt is None or key not in self._paused:
             return
         tenant, session = key
         try:
-            restored = await self.conn.restore(f"prefetch:{session}", prompt, None, tenant, free_only=True)
+            restored = await self.conn.restore(f"prefetch:{session}", prompt, None, tenant, self.protected(key))
             await self.loop.call_now(lambda: self.bm.release(reversed(restored.pinned)))
         except Exception as e:  # best effort: the request restores for itself when it comes
             log.warning("prefetch failed", session_id=session, error=str(e))
@@ -107,5 +129,5 @@ class Prefetcher:
 
     def check_integrity(self) -> None:
         assert len(self._prompts) <= self.max_sessions
-        assert set(self._timers) <= set(self._prompts), "a prefetch is timed for a session it forgot"
+        assert set(self._timers) <= set(self._paused) <= set(self._prompts), "a prefetch for a session it forgot"
         assert set(self._done) <= set(self._prompts), "a prefetch is judged for a session it forgot"

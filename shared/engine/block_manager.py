@@ -19,7 +19,7 @@ index's keys.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -72,11 +72,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._plain_free) + len(self._cached_free)
-
-    @property
-    def num_plain_free_blocks(self) -> int:
-        """Free blocks that hold nothing cached: taking one evicts nothing."""
-        return len(self._plain_free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -225,21 +220,40 @@ class BlockManager:
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free_blocks
 
-    def allocate(self, n: int) -> list[int]:
-        """n fresh blocks at ref 1, no hash. Plain blocks first, then cached ones, evicting LRU-first; in
-        increasing id order, whatever order they were freed in (tables are usually released last block
-        first), so that blocks adjacent in memory stay adjacent in the table: a handoff or a restore moves a
-        run of consecutive blocks as one piece (a table in reverse order cost one write per block)."""
+    @property
+    def num_plain_free_blocks(self) -> int:
+        return len(self._plain_free)
+
+    def spare_blocks(self, keep: Container[bytes]) -> int:
+        """Free blocks that `allocate(n, keep)` may take: plain ones, and cached ones whose hash is not kept."""
+        return len(self._plain_free) + sum(self._hash[b] not in keep for b in self._cached_free)
+
+    def allocate(self, n: int, keep: Container[bytes] | None = None) -> list[int]:
+        """n fresh blocks at ref 1, no hash. Plain blocks first, then cached ones, evicting LRU-first (never
+        one whose hash is in `keep`); in increasing id order, whatever order they were freed in (tables are
+        usually released last block first), so that blocks adjacent in memory stay adjacent in the table: a
+        handoff or a restore moves a run of consecutive blocks as one piece (a table in reverse order cost one
+        write per block)."""
         if n < 0:
             raise ValueError(f"allocate: negative count {n}")
         if n > self.num_free_blocks:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free_blocks} free of {self._num_blocks}")
+        victims = None
+        if keep:
+            victims = [b for b in self._cached_free if self._hash[b] not in keep][:max(0, n - len(self._plain_free))]
+            if len(self._plain_free) + len(victims) < n:
+                raise OutOfBlocks(f"need {n} blocks, {len(self._plain_free) + len(victims)} free without those kept")
         out: list[int] = []
         evicted: list[bytes] = []
         while len(out) < n and self._plain_free:
             out.append(self._plain_free.popitem(last=False)[0])
+        chosen = iter(victims or ())
         while len(out) < n:
-            b = self._cached_free.popitem(last=False)[0]
+            if victims is None:
+                b = self._cached_free.popitem(last=False)[0]
+            else:
+                b = next(chosen)
+                del self._cached_free[b]
             h = self._hash[b]
             del self._index[h]
             evicted.append(h)

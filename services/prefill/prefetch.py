@@ -117,7 +117,7 @@ class Prefetcher:
             return
         self.counters["prefetches"] += 1
         self.counters["prefetched_chunks"] += chunks
-        if key in self._prompts:  # not closed meanwhile
+        if key in self._paused:  # not back (nor closed) meanwhile: its next request judges this prefetch
             self._done[key] = restored.token_range[1]
         log.info("prefetched", session_id=session, chunks=chunks, tokens=restored.token_range)
 

@@ -24,7 +24,7 @@ from shared.phoenix_api import PhoenixClient
 from shared.tracing import PROJECT
 from infra.up import UpConfig, launched
 from tests.natsbus import nats_url
-from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
+from tests.tracetree import SYSTEM, arrived, check_tree, restored_turn
 
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOT = REPO / "bench" / "results" / "phoenix-trace.png"
@@ -46,11 +46,11 @@ def headless(url: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def phoenix_trace(client: PhoenixClient, trace_id: str, timeout: float = 60.0) -> list[dict]:
-    """The trace's spans in Phoenix once every expected one arrived (exporters send in batches)."""
+    """The trace's spans in Phoenix once all of them arrived (exporters send in batches)."""
     deadline = time.monotonic() + timeout
     while True:
         spans = client.spans(PROJECT, trace_ids=[trace_id])
-        if set(EXPECTED) <= {s["name"] for s in spans} or time.monotonic() > deadline:
+        if arrived(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(1.0)
 

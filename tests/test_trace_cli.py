@@ -19,7 +19,7 @@ from shared.tracequery import breakdown, find_request, read_jsonl, request_trace
 from shared.traceview import waterfall
 from infra.up import UpConfig, launched
 from tests.natsbus import nats_url
-from tests.tracetree import EXPECTED, SYSTEM, check_tree, restored_turn
+from tests.tracetree import EXPECTED, SYSTEM, arrived, check_tree, restored_turn
 
 REPO = Path(__file__).resolve().parents[1]
 MS = 1_000_000
@@ -110,7 +110,7 @@ def moorage(*args: str) -> subprocess.CompletedProcess:
 
 
 def wait_trace(path: Path, request_id: str, names: set[str], timeout: float = 30.0) -> list[dict]:
-    """The request's trace once every name is in it (services export spans in batches, so the file may not even
+    """The request's trace once every name is in it and it is complete (services export spans in batches, so the file may not even
     exist yet). Polls: the spans arrive in another process's file, with nothing to await."""
     deadline = time.monotonic() + timeout
     while True:
@@ -119,7 +119,7 @@ def wait_trace(path: Path, request_id: str, names: set[str], timeout: float = 30
         except FileNotFoundError:  # no batch exported yet: the file appears with the first one
             traces = []
         t = next((t for t in traces if t.request_id == request_id), None)
-        if (t and names <= {s["name"] for s in t.spans}) or time.monotonic() > deadline:
+        if (t and names <= {s["name"] for s in t.spans} and arrived(t.spans)) or time.monotonic() > deadline:
             return t.spans if t else []
         time.sleep(0.5)
 

@@ -53,6 +53,18 @@ def restored_turn(base: str, session: str = "traced") -> list[str]:
     return ["req-" + b["id"].split("-", 1)[1] for b in (first, evict, last)]
 
 
+def arrived(spans: list[dict]) -> bool:
+    """Whether every span of the trace has arrived: each expected name, and as many gathers, writes and scatters
+    as its kv.handoff says it made (exporters send in batches, and a trace UI may store a batch before the one
+    sent ahead of it)."""
+    names = [s["name"] for s in spans]
+    if not set(EXPECTED) <= set(names):
+        return False
+    handoff = next(s for s in spans if s["name"] == "kv.handoff")["attributes"]
+    return (names.count("kv.gather") >= handoff.get("writes", 0)
+            and min(names.count("kv.write"), names.count("decode.scatter")) >= handoff.get("rounds", 0))
+
+
 def check_tree(spans: list[dict]) -> dict[str, list[dict]]:
     """Asserts one trace's parentage and services against EXPECTED; returns its spans by name."""
     assert len({s["trace_id"] for s in spans}) == 1
@@ -72,7 +84,8 @@ def check_tree(spans: list[dict]) -> dict[str, list[dict]]:
     # (a round writes every gathered window it holds credits for)
     handoff = by_name["kv.handoff"][0]["attributes"]
     writes, rounds = handoff["writes"], handoff["rounds"]
-    assert writes >= 2 and len(by_name["kv.gather"]) == writes
+    counts = {n: len(by_name[n]) for n in ("kv.gather", "kv.write", "decode.scatter")}
+    assert writes >= 2 and counts["kv.gather"] == writes, f"handoff {handoff}, spans {counts}"
     assert len(by_name["kv.write"]) == rounds and sum(s["attributes"]["windows"] for s in by_name["kv.write"]) == writes
     assert len(by_name["decode.scatter"]) == rounds
     assert len(by_name["decode.generate"]) == 1  # one span per request, not per token

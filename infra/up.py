@@ -68,6 +68,8 @@ class UpSettings:
     groups: int = 1                   # "servers": each group has its prefills, its stores and one decode
     stores: int = 2                   # store services per group contributing DRAM to the pool
     store_bytes: int = 1 << 30        # DRAM each store contributes (bytes)
+    disk_bytes: int = 0               # each store's disk tier (store.disk_path: <disk_dir>/<store instance>): 0 = none, the pool is DRAM only
+    disk_dir: str = ""                # where the stores' disk tiers live ("": <run_dir>/disk); local NVMe on a server
     prefills: int = 1                 # prefill instances per group
     kv_memory: str = "60%"            # KV of all prefill + decode instances: a share of the host memory left after stores and processes, or a size ("8GiB")
     decode_kv_share: float = 0.5      # of that, the decode instances' part (the rest is the prefills' device prefix cache)
@@ -81,6 +83,8 @@ class UpSettings:
     def __post_init__(self) -> None:
         if self.pool_mode not in ("shared", "split"):
             raise ConfigError(f"up.pool_mode must be shared or split, got {self.pool_mode!r}")
+        if self.disk_bytes < 0:
+            raise ConfigError(f"up.disk_bytes must be >= 0 (0: no disk tier), got {self.disk_bytes}")
         if min(self.groups, self.prefills) < 1 or self.stores < 0:
             raise ConfigError("up.groups and up.prefills must be >= 1, up.stores >= 0")
         if not 0 < self.decode_kv_share < 1:
@@ -150,8 +154,11 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
             add(f"master-{m}", "master", cfg.master, master={"rpc_port": port})
         for g in range(up.groups):
             for i in range(up.stores):
-                add(f"store-{g * up.stores + i}", "store", cfg.store,
-                    store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes})
+                name = f"store-{g * up.stores + i}"
+                disk = {"disk_path": str(Path(up.disk_dir or run_dir / "disk") / name),
+                        "disk_bytes": up.disk_bytes} if up.disk_bytes else {}
+                add(name, "store", cfg.store,
+                    store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes, **disk})
     add(cfg.gate.instance, "gate", cfg.gate)
     for g in range(up.groups):
         add(f"decode-{g}", "decode", cfg.decode, engine=engine(cfg.decode, kv and kv.decode_bytes))

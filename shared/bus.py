@@ -123,6 +123,21 @@ class Subjects:
     def kv_events(self, instance: str) -> str:
         return f"{self.prefix}.kv.events.{instance}"
 
+    @property
+    def disk_spill(self) -> str:
+        return f"{self.prefix}.store.disk.spill"
+
+    @property
+    def disk_index(self) -> str:
+        return f"{self.prefix}.store.disk.index"
+
+    @property
+    def disk_sync(self) -> str:
+        return f"{self.prefix}.store.disk.sync"
+
+    def disk_load(self, store: str) -> str:
+        return f"{self.prefix}.store.{store}.disk.load"
+
 
 Handler = Callable[[Message, Msg], Awaitable[Message | None]]
 

@@ -86,3 +86,27 @@ def verify_header(header: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> s
     if payload_crc != crc:
         return "payload checksum mismatch"
     return None
+
+
+def spec_of(header: torch.Tensor) -> ObjectSpec | None:
+    """The object a header (uint8, at least HEADER_BYTES) says it is, or None if it is no moorage object
+    of this format."""
+    if header.numel() < HEADER_BYTES:
+        return None
+    magic, version, stage, stages, tokens, nbytes, _, digest, ns = _HEADER.unpack(
+        header[:_HEADER.size].numpy().tobytes())
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return None
+    return ObjectSpec(ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens, nbytes)
+
+
+def verify_as(obj: torch.Tensor, key: str) -> str | None:
+    """None when `obj` (uint8, header + payload) is whole and is the object stored under `key` (its header
+    names that key, its size is the header's and its payload's CRC-32C the header's); else why not. For a
+    holder that knows an object only by its key (the store's disk tier)."""
+    spec = spec_of(obj)
+    if spec is None:
+        return "not a moorage KV object of this format"
+    if object_key(spec.namespace, spec.stage, spec.stages, spec.digest) != key:
+        return f"header names another key than {key}"
+    return verify(obj, spec)

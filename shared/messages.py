@@ -409,3 +409,43 @@ def kv_event_dict(event) -> dict:
     """A shared.kv_events event as it travels in KVEventBatch (token ids stay home: routers need hashes)."""
     kind = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}[type(event).__name__]
     return {"type": kind, "hashes": list(getattr(event, "block_hashes", [])), "medium": event.medium}
+
+
+# ---- the stores' disk tier (services/store/disk.py) -----------------------------------------------
+@message("disk_spill")
+class DiskSpill(Message):
+    """A prefill saved these pool objects: stores with a disk tier copy the ones in their own segment to disk
+    (keys only: the bytes move through Mooncake)."""
+    keys: list[str]
+    sizes: list[int]
+
+
+@message("disk_index")
+class DiskIndex(Message):
+    """A store's disk tier changed: these keys were written (`added`) or deleted (`removed`). `snapshot`: the
+    whole listing (replaces what the receiver knew of this store), sent at start and when asked."""
+    store: str
+    added: list[str] = msgspec.field(default_factory=list)
+    removed: list[str] = msgspec.field(default_factory=list)
+    snapshot: bool = False
+
+
+@message("disk_sync")
+class DiskSync(Message):
+    """Asks every store with a disk tier for its snapshot (a prefill that just started)."""
+    instance: str
+
+
+@message("disk_load")
+class DiskLoad(Message):
+    """Asks a store to put these objects back into the pool from its disk, in order (chunk-major, every stage
+    of a chunk): the reply says how many leading keys are in the pool now. `replace`: the pool lists these keys but
+    could not serve them (their store died, its segment not yet dropped): remove them before putting."""
+    keys: list[str]
+    replace: bool = False
+
+
+@message("disk_loaded")
+class DiskLoaded(Message):
+    loaded: int               # leading keys of the request now in the pool
+    reason: str = ""          # why the next one is not ("" when all are)

@@ -121,16 +121,21 @@ class PoolClient:
     """A pure client of the pool. Registrations are locked here; batch calls go straight to Mooncake
     (which releases the GIL while they run)."""
 
-    def __init__(self, config: PoolConfig | None = None):
+    def __init__(self, config: PoolConfig | None = None, store=None):
+        """store: a Mooncake store client already set up (a store service's segment owner) to act through,
+        instead of joining the pool anew."""
         self.config = c = config or PoolConfig()
         if not 1 <= c.max_batch <= MAX_TCP_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_TCP_BATCH}, got {c.max_batch}")
         store_cls, self._replicate_cls, pin = store_class()
         self._pin_enable = pin.ENABLE
-        if not wait_for_master(c.master_addr, c.connect_timeout_s):
-            raise PoolError(f"mooncake master {c.master_addr} is unreachable", RPC_FAIL)
         self._lock = threading.Lock()
         self._regions: dict[int, object] = {}  # address -> tensor (kept alive while registered)
+        if store is not None:
+            self._store = store
+            return
+        if not wait_for_master(c.master_addr, c.connect_timeout_s):
+            raise PoolError(f"mooncake master {c.master_addr} is unreachable", RPC_FAIL)
         self._store = store_cls()
         rc = self._store.setup(c.hostname, c.metadata_server, 0, c.local_buffer_size, c.protocol,
                                c.device_name, c.master_addr)

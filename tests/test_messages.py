@@ -43,6 +43,11 @@ SAMPLES: dict[str, m.Message] = {
                          waiting=1, queued_tokens=0, endpoint="10.0.0.2:1", detail={"committed": 500}),
     "kv_events": m.KVEventBatch("prefill-0", [{"type": "stored", "hashes": [1, 2**63], "medium": "device"},
                                               {"type": "cleared"}]),
+    "disk_spill": m.DiskSpill(["t/s0of2/ab", "t/s1of2/ab"], [4224, 4224]),
+    "disk_index": m.DiskIndex("store-0", added=["t/s0of2/ab"], removed=["t/s1of2/cd"], snapshot=True),
+    "disk_sync": m.DiskSync("prefill-0"),
+    "disk_load": m.DiskLoad(["t/s0of2/ab", "t/s1of2/ab"]),
+    "disk_loaded": m.DiskLoaded(1, reason="t/s1of2/ab: payload checksum mismatch"),
 }
 
 

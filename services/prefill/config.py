@@ -23,6 +23,8 @@ class PoolSettings(PoolConfig):
     restore_direct_reads: bool = True      # read restored objects from the stores' memory with prefill's own Transfer Engine, waited for without spinning (shared/pool_reads.py); false: through the store client, whose reads busy-poll a core
     restore_wait_s: float = 5.0            # wait this long for free device blocks for every hit chunk, then restore what fits
     prefetch: bool = True                  # a session paused for a tool (router.retention = session) gets the chunks of its history the device lost back from the pool halfway through the pause agents take, into free blocks, never evicting a session expected back sooner (services/prefill/prefetch.py)
+    disk: bool = True                      # use the stores' disk tiers (store.disk_path): tell them what each save put, and have them put back the chunks the pool lacks before a restore (services/prefill/disk_loads.py)
+    disk_load_timeout_s: float = 5.0       # how long a restore waits for a store to put its chunks back from disk (then they are computed)
     save: bool = True                      # save each new full prompt chunk after prefill (async)
     save_batch_chunks: int = 8             # chunks per batched put (one put per request up to this; sizes the registered save buffer)
     save_when_idle: bool = True            # defer saves until the engine is idle and no handoff is in flight (or blocks are short, or save_max_delay_s passed): saving never slows compute or a handoff
@@ -42,6 +44,8 @@ class PoolSettings(PoolConfig):
             raise ConfigError(f"pool.save_max_held_fraction must be in (0, 1], got {self.save_max_held_fraction}")
         if self.dtype not in POOL_DTYPES:
             raise ConfigError(f"pool.dtype must be one of {sorted(POOL_DTYPES)}, got {self.dtype!r}")
+        if self.disk_load_timeout_s <= 0:
+            raise ConfigError(f"pool.disk_load_timeout_s must be positive, got {self.disk_load_timeout_s}")
         if self.save_max_mbps < 0:
             raise ConfigError(f"pool.save_max_mbps must be >= 0 (0: unlimited), got {self.save_max_mbps}")
 

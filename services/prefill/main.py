@@ -14,6 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.prefill.direct import DirectSender
+from services.prefill.disk_loads import DiskLoader
 from services.prefill.events import KVEventPublisher
 from services.prefill.handoff import HandoffFailed, HandoffSender
 from shared.engine.engine import Engine, StepOutput
@@ -24,8 +25,8 @@ from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
 from shared.hashing import chunk_hashes
-from shared.messages import (Ack, Cancel, DecodeAssign, HandoffDone, Holdings, InstanceExited, LoadReport, SessionClose,
-                             PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
+from shared.messages import (Ack, Cancel, DecodeAssign, DiskSpill, HandoffDone, Holdings, InstanceExited, LoadReport,
+                             SessionClose, PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from services.prefill.prefetch import Prefetcher
 from shared.sessions import SessionIndex, SessionKV
@@ -420,7 +421,8 @@ class PrefillService:
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
                           {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
-                           "pool": {**self.pool.counters, **(self.prefetch.counters if self.prefetch else {})}
+                           "pool": {**self.pool.counters, **(self.prefetch.counters if self.prefetch else {}),
+                                    **(self.pool.disk.counters if self.pool.disk else {})}
                            if self.pool else None,
                            "pool_dtype": str(self.pool.pool_dtype).removeprefix("torch.") if self.pool else None,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
@@ -460,6 +462,15 @@ async def serve(ctx: ServiceContext) -> None:
                                  register_pages=cfg.transfer.register_pages)
         svc.pool.saver.handing_off = svc.handing_off
         svc.pool.saver.after_ended = svc._demote_ended
+        if cfg.pool.disk:
+            disk = DiskLoader(ctx.bus, ctx.instance, cfg.pool.disk_load_timeout_s)
+            await disk.start()
+            svc.pool.disk = disk
+
+            async def spill(keys: list[str], sizes: list[int]) -> None:
+                await ctx.bus.publish(ctx.bus.subjects.disk_spill, DiskSpill(keys, sizes))
+
+            svc.pool.saver.on_spill = spill
         if cfg.pool.prefetch:
             svc.prefetch = Prefetcher(svc.pool, svc._spawn, svc.sessions)
             ctx.on_stop.append(svc.prefetch.close)

@@ -24,6 +24,8 @@ Save (after the first token, deferred to idle time, batched: services/prefill/po
 prompt chunk the pool lacks is packed per stage and put with the chunk's digest as its group id (a
 chunk's stages are evicted together). The blocks being saved hold a reference of their own until the
 save ends.
+Disk tier (`disk`, services/prefill/disk_loads.py): chunks the pool lacks but a store's disk holds are put
+back into the pool by that store during the lookup, then restored as any hit.
 Each request's chunks are named in its tenant's KV namespace (shared/kv_tenant.py): hashes, keys and
 headers, so one tenant never restores another's KV.
 Compact objects (`pool.dtype = "bfloat16"` or `"float8_e4m3fn"` on float32 KV): the save's pack rounds to
@@ -138,6 +140,7 @@ class PoolConnector:
                          "saved_pinned_chunks": 0, "save_turn_unknown": 0, "save_skipped": 0, "save_failures": 0,
                          "lookup_errors": 0}
         self.saver = PoolSaver(self, on_store_event)
+        self.disk = None  # services/prefill/disk_loads.py DiskLoader, when the stores' disk tier is used
 
     def keys(self, digest: bytes, ns: KVNamespace) -> list[str]:
         return [object_key(ns.name + self.ns_suffix, s, self.stages, digest) for s in range(self.stages)]
@@ -177,6 +180,8 @@ class PoolConnector:
                 return await self._device_only("nothing_to_restore", prompt, outcome, ns)
             digests = chunk_hashes(prompt, ns.seed, self.chunk)[:usable]
             present = await self.present(digests[c0:], ns)
+            if self.disk is not None and not all(present):  # the chunks a store's disk holds: back into the pool
+                present = await self.disk.load([self.keys(d, ns) for d in digests[c0:]], present, trace_ctx)
             hits = next((i for i, p in enumerate(present) if not p), len(present))
             outcome["hit_chunks"] = hits
             span.set_attribute("hit_chunks", hits)
@@ -185,10 +190,29 @@ class PoolConnector:
         with tracer.start_as_current_span("store.restore", context=trace_ctx) as span:
             async with self.restore_lock:
                 restored = await self._restore(prompt, digests[:c0 + hits], span, ns, keep)
+                if restored is not None and self.disk is not None and restored.stats["chunks"] < hits:
+                    restored = await self._rest_from_disk(restored, prompt, digests[:c0 + hits], span, ns, keep,
+                                                          trace_ctx)
         if restored is None:
             return await self._device_only("no_free_blocks", prompt, outcome, ns)
         outcome["restored_chunks"] = restored.stats["chunks"]
         return self._outcome("restored" if restored.stats["chunks"] == hits else "partial", outcome, restored)
+
+    async def _rest_from_disk(self, restored: Restored, prompt: list[int], digests: list[bytes], span,
+                              ns: KVNamespace, keep: set[bytes] | None, trace_ctx) -> Restored:
+        """A restore that fell short of its lookup (a store died, or evicted a chunk meanwhile): the chunks
+        after the ones that came, as far as a store's disk holds them, are put back into the pool and restored
+        on top. Returns the whole restore (its first part's references given back when a second part came)."""
+        c = restored.token_range[1] // self.chunk
+        rest = [self.keys(d, ns) for d in digests[c:]]
+        present = await self.disk.load(rest, [False] * len(rest), trace_ctx, replace=True)
+        n = next((i for i, p in enumerate(present) if not p), len(present))
+        again = await self._restore(prompt, digests[:c + n], span, ns, keep) if n else None
+        if again is None:
+            return restored
+        await self.loop.call_now(lambda: self.bm.release(reversed(restored.pinned)))
+        stats = {k: restored.stats[k] + again.stats[k] for k in ("chunks", "bytes")}
+        return Restored(again.pinned, (restored.token_range[0], again.token_range[1]), stats)
 
     async def _device_only(self, how: str, prompt: list[int], fields: dict, ns: KVNamespace) -> Restored:
         def pin() -> list[int]:

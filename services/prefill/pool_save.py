@@ -106,6 +106,7 @@ class PoolSaver:
 
     def __init__(self, conn, on_store_event=None):
         self.conn, self.settings, self.on_store_event = conn, conn.settings, on_store_event
+        self.on_spill = None  # async (keys, sizes) of the objects each save put (the stores' disk tier)
         self.engine, self.loop, self.bm = conn.engine, conn.loop, conn.bm
         self.batch = self.settings.save_batch_chunks
         self.buf = host_buffer(self.batch * conn.chunk_bytes, self.engine.pages[0].device)
@@ -212,6 +213,8 @@ class PoolSaver:
                                          "bytes": len(saved) * conn.chunk_bytes})
             if saved and self.on_store_event:
                 await self.on_store_event(saved)
+            if saved and self.on_spill is not None:  # the stores' disk tier copies them
+                await self.on_spill([k for d in saved for k in conn.keys(d, ns)], conn.obj_bytes * len(saved))
         except Exception as e:  # a save is best effort: the request already has its answer
             conn.counters["save_failures"] += 1
             log.warning("save failed", request_id=request_id, error=str(e))

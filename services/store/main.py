@@ -8,6 +8,9 @@ failed allocation fails setup) and `MC_STORE_HUGEPAGE_SIZE` ("2MB" | "1GB") at s
 sets or clears them first. The LoadReport (role "store") carries the segment's name ("host:port", what
 `PoolClient.put_from(preferred_segment=...)` takes) and size in `detail`.
 
+With `store.disk_path` the store also keeps a disk tier (services/store/disk_serve.py): copies of its
+segment's objects on local disk, put back into the pool when a prefill asks.
+
 Shutdown unmounts the segment (~1 s). Stop stores before the master: with the master gone the unmount
 RPC, and then the process exit, each wait ~5 s for Mooncake's reconnect attempts (~10-12 s in all).
 """
@@ -19,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 from services.store.config import StoreSettings
+from services.store.disk_serve import DiskService
 from shared.messages import LoadReport
 from shared.pool import PoolError, store_class, wait_for_master
 from shared.service import ServiceContext
@@ -115,13 +119,20 @@ async def serve(ctx: ServiceContext) -> None:
     ctx.log.info("segment mounted", segment=segment.name, segment_bytes=segment.segment_bytes,
                  hugepages=plan.use, master=s.master_addr)
 
+    disk = DiskService(ctx, s, segment) if s.disk_path else None
+    if disk is not None:
+        await disk.start()
+
     def load_report() -> LoadReport:
         return LoadReport(instance=ctx.instance, role="store", ready=segment.store is not None,
                           capacity_tokens=0, endpoint=segment.name,
                           detail={"segment_bytes": segment.segment_bytes, "hugepages": plan.use,
-                                  "segment": segment.name, "master_addr": s.master_addr})
+                                  "segment": segment.name, "master_addr": s.master_addr,
+                                  **({"disk": disk.stats()} if disk else {})})
 
     async def stop() -> None:
+        if disk is not None:
+            await disk.stop()
         await asyncio.to_thread(segment.close)
 
     ctx.load_report = load_report

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import httpx
 
 from bench._util import LoadWatcher, md_table, system_bench_main
+from bench.agentic.replay import TOOL
 
-TOOL = {"type": "function", "function": {"name": "run", "description": "run step n", "parameters": {
-    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class SoakParams:
     corrupt_every: int = 40
     restart_store_at: float = 0.5     # kill store-1 after this share of the cycles (0: never)
     seed: int = 0
+    disk_bytes: int = 0               # each store's disk tier (up.disk_bytes; 0: none): a removed or corrupted
+    #                                   chunk may then come back from disk, good, and is counted apart
 
 
 QUICK = SoakParams(cycles=240, sessions=6, cut_every=15, corrupt_every=20, max_prompt_tokens=1300)
@@ -61,7 +63,8 @@ def system_overrides(p: SoakParams, nats_url: str, run_dir: str) -> list[str]:
     return ["up.model=tiny", "up.port=0", f"up.nats_url={nats_url}", f"up.run_dir={run_dir}",
             "up.pool=true", "up.stores=2", f"up.store_bytes={p.store_bytes}", "up.ready_timeout_s=180",
             f"prefill.engine.num_blocks={p.device_blocks}", f"prefill.engine.chunk_tokens={p.chunk_tokens}",
-            "decode.engine.num_blocks=1024", "master.master.client_ttl_s=2", "router.router.instance_timeout_s=5"]
+            "decode.engine.num_blocks=1024", "master.master.client_ttl_s=2", "router.router.instance_timeout_s=5",
+            *([f"up.disk_bytes={p.disk_bytes}"] if p.disk_bytes else [])]
 
 
 async def _reports(nats_url: str, seconds: float = 1.5) -> dict:
@@ -164,7 +167,10 @@ class Soak:
                 outcome = classify(expected, m["device"], m["store"])
                 self.counts.add(outcome, body["usage"])
                 bad = s.served_bad_chunk(m["device"], m["store"], p.chunk_tokens)
-                self.counts.served_bad_chunk += bad
+                if p.disk_bytes:  # the store's disk put a good copy back (the output check below proves it)
+                    self.counts.bad_chunk_back_from_disk += bad
+                else:
+                    self.counts.served_bad_chunk += bad
                 ok = body["choices"][0]["text"] == ref.output_text
                 self.counts.mismatches += not ok
                 rec.update(outcome=outcome, ok=ok, bad_chunk=s.bad_chunk, **m)
@@ -236,10 +242,11 @@ def run_soak(p: SoakParams, run_dir: str) -> dict:
             counts.verify_failures = sum(c["verify_failures"] - before[i].detail["pool"]["verify_failures"]
                                          for i, c in pool.items() if i in before)
             restarts = launcher.restarts() if hasattr(launcher, "restarts") else {}
+            disk = {i: r.detail["disk"] for i, r in reports.items() if r.role == "store" and "disk" in r.detail}
     finally:
         nats.stop()
     return {"params": dataclasses.asdict(p), "counts": counts.to_dict(), "prefill_pool_counters": pool,
-            "store_index": index, "launcher_restarts": restarts, "records": soak.records}
+            "store_index": index, "launcher_restarts": restarts, "store_disk": disk, "records": soak.records}
 
 
 def store_index_check(router_url: str, master) -> dict:
@@ -261,12 +268,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI size")
     ap.add_argument("--cycles", type=int, help="override the number of cycles")
+    ap.add_argument("--disk-bytes", type=int, default=0, help="each store's disk tier (up.disk_bytes; 0: none)")
     ap.add_argument("--out", default="bench/results/soak.json")
     ap.add_argument("--run-dir", default=".moorage/soak")
     args = ap.parse_args()
     p = QUICK if args.quick else SoakParams()
     if args.cycles:
         p = dataclasses.replace(p, cycles=args.cycles)
+    if args.disk_bytes:
+        p = dataclasses.replace(p, disk_bytes=args.disk_bytes)
     t0 = time.perf_counter()
     result = {"machine": machine_info(), **run_soak(p, args.run_dir)}
     write_result(result, args.out, t0, plot, report)

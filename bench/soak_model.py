@@ -70,6 +70,7 @@ class Counts:
     midway_evictions: int = 0   # sessions whose middle chunk was removed from the pool before a turn
     corruptions: int = 0        # histories whose first chunk was overwritten with garbage before a turn
     served_bad_chunk: int = 0   # turns that got a removed or corrupted chunk from the pool (must be 0)
+    bad_chunk_back_from_disk: int = 0  # with a disk tier: turns whose removed or corrupted chunk a store's disk put back
     verify_failures: int = 0    # chunks the prefills rejected on checksum (from their pool counters)
     store_restarts: int = 0
     outcomes: dict = field(default_factory=lambda: {k: 0 for k in OUTCOMES})

@@ -169,6 +169,33 @@ async def test_direct_handoff_lands_exactly_what_prefill_computed(tiny, stages):
             assert again.crc_reused == (n_blocks - 1) * stages  # all but the partly filled last block
 
 
+async def test_a_decode_that_answers_its_page_request_late_is_asked_again(tiny):
+    """A busy host: decode answers the first PagesRequest after the bus timeout. Prefill asks again (decode grants
+    a request id the same blocks each time) until transfer.timeout_s, and the handoff lands, not a 503."""
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("late but there: " * 6)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+            h.p_bus.config.request_timeout_s = 0.3
+            grant, asked = h.decode.direct._grant, []
+
+            async def slow_first(msg):
+                asked.append(msg.request_id)
+                if len(asked) == 1:
+                    await asyncio.sleep(1.0)  # past the requester's timeout
+                return await grant(msg)
+
+            h.decode.direct._grant = slow_first
+            got, stats = await _generated(h, h.p_bus, p_engine, "late", prompt, params)
+            assert got == want.output_ids and stats.mode == "direct"
+            assert len(asked) >= 2 and set(asked) == {"late"}
+            assert len(h.decode.zone.landings) == 0  # one landing, adopted; nothing left behind
+
+
 @pytest.mark.parametrize("early_verify", ["off", "on"])
 async def test_a_byte_corrupted_in_flight_fails_the_request_and_frees_its_blocks(tiny, monkeypatch, early_verify):
     """Whether decode checks writes as prefill reports them landed (early_verify=on) or all at HandoffDone

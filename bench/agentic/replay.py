@@ -39,6 +39,11 @@ from bench.agentic.stats import SOURCES, ceilings, summarize, summary_line
 from bench.agentic.system import TOPOLOGY_HELP, add_system_args, running_system, system_overrides
 
 
+# tool_turns' tool: its one argument is a digit, so a required call always completes
+TOOL = {"type": "function", "function": {"name": "run", "description": "run step n", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+
+
 @dataclass
 class ReplayConfig:
     base_url: str = "http://127.0.0.1:8000"  # the router (with or without /v1)
@@ -54,6 +59,12 @@ class ReplayConfig:
                                        # so a second replay against the same system cannot hit the first one's
                                        # cache or session affinity; None = random per replay, "" = none
     max_sessions: int = 0              # 0 = all
+    start_stagger_s: float = 0.0       # lane k starts its first session k x this after the replay starts (a fleet
+                                       # whose agents do not all send their first, cold prompt in one second)
+    tool_turns: bool = False           # a request the trace recorded as ending in a tool call (stop "tool_use")
+                                       # is sent with a tool and tool_choice "required", so it ends in a real
+                                       # call (finish_reason tool_calls): the server learns the session is
+                                       # expected back, as from an agent (retention, prefetch)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -76,8 +87,8 @@ class RequestRecord:
     think_s: float = 0.0           # what was waited before sending
     status: int | str = 0          # HTTP status; "stream_error:<code>" or "error:<Exception>" otherwise
     error: str = ""
-    ttft_s: float | None = None    # send -> first non-empty content delta
-    gaps_s: list[float] = field(default_factory=list)  # between successive content deltas
+    ttft_s: float | None = None    # send -> first non-empty content (or tool call) delta
+    gaps_s: list[float] = field(default_factory=list)  # between successive content (or tool call) deltas
     prompt_tokens: int = 0         # from usage (0 without a usage chunk)
     completion_tokens: int = 0
     device: int = 0
@@ -213,12 +224,14 @@ class _Run:
         self.t0 = time.perf_counter()
         try:
             async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as self.client:
-                await asyncio.gather(*(self.lane() for _ in range(self.cfg.concurrency)))
+                await asyncio.gather(*(self.lane(k * self.cfg.start_stagger_s) for k in range(self.cfg.concurrency)))
         finally:
             self.progress.close()
         return self.now()
 
-    async def lane(self) -> None:
+    async def lane(self, delay_s: float = 0.0) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
         while self.queue and not self.expired():
             session = self.queue.popleft()
             self.started_sessions.append(session)
@@ -263,7 +276,7 @@ class _Run:
     def body(self, session, req) -> dict:
         from bench.agentic.prompt import prompt_text
 
-        return {
+        body = {
             "model": self.cfg.model,
             "messages": [{"role": "user", "content": self.salt + prompt_text(session, req)}],
             "max_completion_tokens": max(1, int(req.out_tokens)),
@@ -272,6 +285,10 @@ class _Run:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.cfg.tool_turns and getattr(req, "stop", "") == "tool_use":  # a call of about 60 tokens, always whole
+            body.update(tools=[TOOL], tool_choice="required", parallel_tool_calls=False, ignore_eos=False,
+                        max_completion_tokens=max(128, int(req.out_tokens)))
+        return body
 
     async def send(self, session, tid: str, index: int, turn: int, warm: bool, req, think: float) -> None:
         rec = RequestRecord(session=str(session.id), thread=tid, index=index, turn=turn, warmup=warm,
@@ -310,7 +327,8 @@ class _Run:
                 rec.error = str(err.get("message", ""))[:300]
                 return
             for choice in obj.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
+                delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("tool_calls"):
                     t = self.now()
                     if last is None:
                         rec.ttft_s = t - rec.t_start

@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread, send_done
@@ -263,8 +264,13 @@ class DirectSender:
         deadline = time.monotonic() + self.config.timeout_s
         hashes = list(block_hashes) if self.reuse else []
         while True:
-            grant = await self.bus.request(self.bus.subjects.decode_pages(decode), PagesRequest(
-                request_id, self.instance, num_tokens, self.layout.block_layout, hashes), PagesGrant)
+            try:
+                grant = await self.bus.request(self.bus.subjects.decode_pages(decode), PagesRequest(
+                    request_id, self.instance, num_tokens, self.layout.block_layout, hashes), PagesGrant)
+            except NatsTimeoutError:  # a busy decode answers late, not never: ask again (it grants a request
+                if time.monotonic() > deadline:  # id the same blocks each time) until the handoff's deadline
+                    raise HandoffFailed("decode did not answer its page request in time") from None
+                continue
             if grant.unsupported:
                 return None
             if grant.runs:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -43,6 +44,7 @@ def file_name(key: str) -> str:
 class DiskTier:
     def __init__(self, path: str, capacity: int, log):
         self.dir, self.capacity, self.log = Path(path) / "objects", capacity, log
+        self.lock = threading.Lock()  # the index: a spill's write and a load's read run in two threads
         self.index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self.used = 0
         self.off_reason = ""  # why writes stopped ("" while they go on)
@@ -94,11 +96,12 @@ class DiskTier:
         return self.dir / file_name(key)
 
     def holds(self, key: str) -> bool:
-        return key in self.index
+        with self.lock:
+            return key in self.index
 
     # ---- space ------------------------------------------------------------------------------------
     def trim(self, room: int) -> list[str]:
-        """Deletes least recently used files until `room` more bytes fit; the keys removed."""
+        """Deletes least recently used files until `room` more bytes fit; the keys removed. (Under the lock.)"""
         gone = []
         while self.index and self.used + room > self.capacity:
             key, size = self.index.popitem(last=False)
@@ -120,10 +123,11 @@ class DiskTier:
     def write(self, objects: list[tuple[str, memoryview]]) -> tuple[list[str], list[str]]:
         """Writes these objects (key, bytes) durably; (keys now on disk, keys evicted to make room). Keys
         already held are skipped (an object's bytes never change under its key)."""
-        todo = [(k, b) for k, b in objects if k not in self.index and len(b) <= self.capacity]
-        if not todo or not self.writable:
-            return [], []
-        evicted = self.trim(sum(len(b) for _, b in todo))
+        with self.lock:
+            todo = [(k, b) for k, b in objects if k not in self.index and len(b) <= self.capacity]
+            if not todo or not self.writable:
+                return [], []
+            evicted = self.trim(sum(len(b) for _, b in todo))
         done = []
         try:
             for key, data in todo:
@@ -140,11 +144,12 @@ class DiskTier:
                     self.path(key).unlink()
             self._stop(f"writing {self.dir}: {e}")
             return [], evicted
-        for key, size in done:
-            self.index[key] = size
-            self.used += size
-            self.counters["written"] += 1
-            self.counters["written_bytes"] += size
+        with self.lock:
+            for key, size in done:
+                self.index[key] = size
+                self.used += size
+                self.counters["written"] += 1
+                self.counters["written_bytes"] += size
         return [k for k, _ in done], evicted
 
     def _write_one(self, key: str, data: memoryview) -> None:
@@ -166,34 +171,42 @@ class DiskTier:
 
     # ---- read -------------------------------------------------------------------------------------
     def size(self, key: str) -> int:
-        return self.index.get(key, 0)
+        with self.lock:
+            return self.index.get(key, 0)
 
     def read_into(self, key: str, out: torch.Tensor) -> str | None:
         """Reads object `key` into `out` (uint8, exactly its size) and verifies it; None when `out` now holds
         the object, else why not (the file is then deleted: a miss from now on)."""
-        if key not in self.index:
-            return "not on disk"
+        with self.lock:
+            if key not in self.index:
+                return "not on disk"
         try:
             with open(self.path(key), "rb", buffering=0) as f:
                 got = f.readinto(out.numpy())
                 extra = f.read(1)
-        except OSError as e:
-            self.counters["read_errors"] += 1
-            self._forget(key)
+        except OSError as e:  # gone (evicted meanwhile) or unreadable
+            with self.lock:
+                self.counters["read_errors"] += 1
+                self._forget(key)
             return f"read failed: {e}"
         why = "size differs from the index" if got != out.numel() or extra else verify_as(out, key)
+        with self.lock:
+            if why is not None:
+                self.counters["verify_failures"] += 1
+                self._forget(key)
+            elif key in self.index:
+                self.index.move_to_end(key)
         if why is not None:
-            self.counters["verify_failures"] += 1
             self.log.warning("disk object rejected", key=key, reason=why)
-            self._forget(key)
             return why
-        self.index.move_to_end(key)
         with contextlib.suppress(OSError):
             os.utime(self.path(key))  # recency survives a restart
-        self.counters["read"] += 1
-        self.counters["read_bytes"] += got
+        with self.lock:
+            self.counters["read"] += 1
+            self.counters["read_bytes"] += got
         return None
 
     def stats(self) -> dict:
-        return {"objects": len(self.index), "bytes": self.used, "capacity": self.capacity,
-                "writable": self.writable, "off_reason": self.off_reason, **self.counters}
+        with self.lock:
+            return {"objects": len(self.index), "bytes": self.used, "capacity": self.capacity,
+                    "writable": self.writable, "off_reason": self.off_reason, **self.counters}

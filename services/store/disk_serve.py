@@ -5,13 +5,15 @@ them, and puts them back into the pool when a prefill asks (services/store/disk.
   replica lies in this store's segment are read through Mooncake into a registered buffer and written to
   disk. Copying at save time, not at eviction, is what lets an evicted chunk come back at all: Mooncake
   frees an object's bytes when it evicts it, and tells no one first. An object evicted before its copy
-  was made is counted (`spill_missed`) and stays a miss.
+  was made is counted (`spill_missed`) and stays a miss; a copy that does not verify is not written
+  (`spill_rejected`).
 - Index (`moorage.store.disk.index`, DiskIndex): every write and deletion is announced, and the whole listing
   at start and on request (`moorage.store.disk.sync`), so prefills know which store holds which object
   without asking on every miss.
 - Load (`moorage.store.<instance>.disk.load`, DiskLoad -> DiskLoaded): the objects are read from disk and
   verified (every byte: header and CRC-32C), then put back into the pool, preferring this store's segment,
-  each chunk's objects one eviction group as a prefill puts them. The reply counts the leading keys that are
+  each chunk's objects one eviction group as a prefill puts them, soft-pinned for LOAD_PIN_S (the restore that
+  asked reads them next). The reply counts the leading keys that are
   in the pool again; the prefill then restores them as any pool hit, verifying them once more.
 Bulk bytes move through Mooncake and the local disk only; the bus carries keys.
 """
@@ -24,10 +26,14 @@ import contextlib
 import torch
 
 from services.store.disk import DiskTier
+from shared.kv_object import verify_as
 from shared.messages import DiskIndex, DiskLoad, DiskLoaded, DiskSpill, DiskSync
 from shared.pool import PoolClient, PoolConfig
 
 INDEX_KEYS_PER_MESSAGE = 4000  # ~400 KB of keys: under the bus cap
+# objects put back for a restore are soft-pinned this long: a busy pool evicts a fresh, unread object first,
+# and without it 39 of one bench run's restores lost chunks between their load and their read (bench tiers)
+LOAD_PIN_S = 10.0
 
 
 def batches(sizes: list[int], room: int) -> list[tuple[int, int]]:
@@ -55,8 +61,8 @@ class DiskService:
         for buf in (self.spill_buf, self.load_buf):
             self.client.register(buf)
         self.endpoint = ""  # the transfer endpoint replicas in our segment name (_find_endpoint)
-        self.counters = {"spill_notices": 0, "spill_other_segment": 0, "spill_missed": 0, "loads": 0,
-                         "loaded_objects": 0, "load_put_failures": 0}
+        self.counters = {"spill_notices": 0, "spill_other_segment": 0, "spill_missed": 0, "spill_rejected": 0,
+                         "loads": 0, "loaded_objects": 0, "load_put_failures": 0}
 
     async def start(self) -> None:
         subjects = self.bus.subjects
@@ -96,7 +102,9 @@ class DiskService:
         where = await asyncio.to_thread(self.client.replicas, [k for k, _ in todo])
         me = self.endpoint or await asyncio.to_thread(self._find_endpoint)
         mine = [(k, n) for (k, n), r in zip(todo, where) if r is not None and r[0] == me]
-        self.counters["spill_other_segment"] += len(todo) - len(mine)
+        gone = sum(r is None for r in where)  # evicted (or being replaced) before we asked: no copy
+        self.counters["spill_missed"] += gone
+        self.counters["spill_other_segment"] += len(todo) - len(mine) - gone
         for lo, hi in batches([n for _, n in mine], self.room):
             await self._copy(mine[lo:hi])
 
@@ -119,9 +127,15 @@ class DiskService:
             off += n
         got = await asyncio.to_thread(self.client.get_into, [k for k, _ in objects], [base + o for o in offs],
                                       [n for _, n in objects])
-        ok = [(k, memoryview(self.spill_buf[o:o + n].numpy())) for (k, n), o, g in zip(objects, offs, got) if g == n]
-        self.counters["spill_missed"] += len(objects) - len(ok)
-        added, evicted = await asyncio.to_thread(self.tier.write, ok)
+        read = [(k, self.spill_buf[o:o + n]) for (k, n), o, g in zip(objects, offs, got) if g == n]
+        self.counters["spill_missed"] += len(objects) - len(read)
+
+        def verify_write() -> tuple[list[str], list[str]]:  # a copy that is not the object never reaches disk
+            good = [(k, memoryview(t.numpy())) for k, t in read if verify_as(t, k) is None]
+            self.counters["spill_rejected"] += len(read) - len(good)
+            return self.tier.write(good)
+
+        added, evicted = await asyncio.to_thread(verify_write)
         await self._announce(added, evicted)
 
     # ---- load -------------------------------------------------------------------------------------
@@ -161,7 +175,8 @@ class DiskService:
         if replace:  # a put of a listed key keeps the listed (unreadable) object: drop it first
             self.client.remove(keys[:good], force=True)
         groups = [k.rsplit("/", 1)[-1] for k in keys[:good]]  # the chunk's digest: a prefill's group id
-        rcs = self.client.put_from(keys[:good], addrs, sizes[:good], groups, preferred_segment=self.segment.name)
+        rcs = self.client.put_from(keys[:good], addrs, sizes[:good], groups, preferred_segment=self.segment.name,
+                                   soft_pin_s=LOAD_PIN_S)
         put = next((i for i, rc in enumerate(rcs) if rc != 0), good)
         if put < good:
             self.counters["load_put_failures"] += 1

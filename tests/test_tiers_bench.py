@@ -1,0 +1,56 @@
+"""bench/agentic/tiers.py: the pause mixture and the sizing it documents, the per-mode summary, and (slow) the
+five systems side by side at the quick size: every mode answers every request, tool turns end in real calls,
+and the disk tier writes what the pool saved."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.agentic import tiers
+from bench.agentic.trace import iter_requests
+
+
+def test_pauses_follow_the_documented_mixture():
+    sessions = tiers.corpus(tiers.Size(sessions=40, turns=6))
+    pauses = [r.think_time for s in sessions for t, r in iter_requests(s) if t == "main" and r.think_time > 0]
+    assert len(pauses) > 150 and 2.0 <= min(pauses) and max(pauses) <= 600.0
+    share = {name: sum(lo <= p < hi for p in pauses) / len(pauses) for name, lo, hi in tiers.BUCKETS}
+    assert abs(share["<30s"] - 0.55) < 0.1 and abs(share["30s-5min"] - 0.30) < 0.1 and abs(share[">5min"] - 0.15) < 0.08
+
+
+def test_the_caches_hold_a_third_of_the_working_set():
+    sz = tiers.sizing(tiers.corpus(tiers.FULL), tiers.FULL)
+    cached = sz["device_blocks"] * 16 * tiers.KV_BYTES_PER_TOKEN + sz["store_bytes"]
+    assert cached <= 0.34 * sz["working_set_bytes"] and sz["disk_bytes"] >= sz["working_set_bytes"]
+    assert sz["device_blocks"] * 16 >= 2 * sz["longest_tokens"] - 16
+
+
+def test_summary_splits_ttft_by_pause_and_times_each_session():
+    rec = dict(warmup=False, thread="main", status=200, device=50, store=30, computed=20, prompt_tokens=100,
+               ceiling_tokens=90)
+    records = [dict(rec, session="a", think_s=5.0, ttft_s=0.1, t_start=0.0, t_end=1.0),
+               dict(rec, session="a", think_s=400.0, ttft_s=0.3, t_start=401.0, t_end=402.0),
+               dict(rec, session="b", think_s=40.0, ttft_s=0.2, t_start=10.0, t_end=60.0)]
+    s = tiers.summarize_mode("x", {"records": records, "errors": {"total": 0}}, {})
+    assert s["hit_share"] == 0.8 and s["ceiling_share"] == 0.9
+    assert [s["ttft_s"][b]["n"] for b, _, _ in tiers.BUCKETS] == [1, 1, 1]
+    assert s["ttft_s"][">5min"]["p50"] == 0.3 and s["jct_s"] == {"a": 402.0, "b": 50.0}
+    assert math.isclose(s["jct_mean_s"], 226.0)
+
+
+@pytest.mark.slow
+def test_five_systems_replay_the_same_sessions(tmp_path):
+    out = tmp_path / "tiers.json"
+    assert tiers.main(["--quick", "--out", str(out), "--run-dir", str(tmp_path / "run")]) == 0
+    result = json.loads(out.read_text())
+    by_mode = {s["mode"]: s for s in result["summary"]}
+    assert list(by_mode) == list(tiers.MODES)
+    for s in by_mode.values():
+        assert s["errors"] == 0 and s["returning_turns"] > 0 and s["hit_share"] is not None
+    assert by_mode["lru"]["disk"] is None and by_mode["disk"]["disk"]["written"] > 0
+    assert by_mode["compact"]["disk"]["written_bytes"] < by_mode["disk"]["disk"]["written_bytes"]  # bf16 objects
+    # tool turns ended in real calls, so the router learned the sessions' pauses
+    assert by_mode["session"]["pool"]["saved_pinned_chunks"] > 0 and by_mode["lru"]["pool"]["saved_pinned_chunks"] == 0

@@ -67,22 +67,27 @@ def verify(obj: torch.Tensor, spec: ObjectSpec, payload_crc: int | None = None) 
     return verify_header(obj[:HEADER_BYTES], spec, checksum(obj[HEADER_BYTES:]) if payload_crc is None else payload_crc)
 
 
+def _read_header(header: torch.Tensor) -> tuple[bytes, int, ObjectSpec, int]:
+    """(magic, format version, the object the header names, its payload CRC) of a header of HEADER_BYTES."""
+    magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
+        header[:_HEADER.size].numpy().tobytes())
+    return magic, version, ObjectSpec(ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens,
+                                      nbytes), crc
+
+
 def verify_header(header: torch.Tensor, spec: ObjectSpec, payload_crc: int) -> str | None:
     """None when `header` (uint8, the object's first HEADER_BYTES) names exactly the object `spec` names
     and records `payload_crc`, the CRC-32C of the payload as read (a restore that read the payload straight
     into its blocks computes it there); else why not."""
     if header.numel() != HEADER_BYTES:
         return f"header size {header.numel()} != {HEADER_BYTES}"
-    magic, version, stage, stages, tokens, nbytes, crc, digest, ns = _HEADER.unpack(
-        header[:_HEADER.size].numpy().tobytes())
+    magic, version, got, crc = _read_header(header)
     if magic != MAGIC:
         return "not a moorage KV object"
     if version != FORMAT_VERSION:
         return f"format version {version}, not {FORMAT_VERSION}"
-    got = (ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens, nbytes)
-    want = (spec.namespace, spec.digest, spec.stage, spec.stages, spec.tokens, spec.payload_bytes)
-    if got != want:
-        return f"header names another object: {got[1].hex()[:8]} s{got[2]}of{got[3]} in {got[0]}"
+    if got != spec:
+        return f"header names another object: {got.digest.hex()[:8]} s{got.stage}of{got.stages} in {got.namespace}"
     if payload_crc != crc:
         return "payload checksum mismatch"
     return None
@@ -93,11 +98,8 @@ def spec_of(header: torch.Tensor) -> ObjectSpec | None:
     of this format."""
     if header.numel() < HEADER_BYTES:
         return None
-    magic, version, stage, stages, tokens, nbytes, _, digest, ns = _HEADER.unpack(
-        header[:_HEADER.size].numpy().tobytes())
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return None
-    return ObjectSpec(ns.rstrip(b"\0").decode(errors="replace"), digest, stage, stages, tokens, nbytes)
+    magic, version, spec, _ = _read_header(header)
+    return spec if magic == MAGIC and version == FORMAT_VERSION else None
 
 
 def verify_as(obj: torch.Tensor, key: str) -> str | None:

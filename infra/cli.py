@@ -126,7 +126,7 @@ TRACE_TARGET = "bench.agentic.synth:main"
 BENCHES = {
     "agentic": ("bench.agentic.replay:main", "AgentX-style replay of agent traces against moorage (starts a system)"),
     "tiers": ("bench.agentic.tiers:main", "tool pauses under memory pressure: lru, session, +prefetch, +disk, "
-                                          "+compact, five systems side by side (issue 29)"),
+                                          "+compact and a measured ceiling, side by side (issue 29)"),
     "sweep": ("bench.agentic.sweep:main", "the same traces at several loads against several topologies"),
     "aiperf": ("bench.aiperf.main:main", "NVIDIA AIPerf replays agent traces against moorage + SmolLM2, pool on "
                                          "vs off (AIPerf in its own .venv-aiperf, made on first use)"),

@@ -208,6 +208,8 @@ class SlotRequest(Message):
     total_bytes: int
     num_tokens: int
     max_slots: int
+    ask: int = 0  # this handoff's n-th ask (from 1): asked again after a bus timeout, decode answers the same n with
+                  # the same slots instead of lending more (0: no such promise)
 
 
 @message("slot_grant")

@@ -450,3 +450,33 @@ def test_smoke_replay_against_moorage_up(tmp_path):
     assert sh["reused"] > 0.5  # later turns extend earlier ones
     assert 0 < stats["ceiling"]["measured"]["ratio"] <= 1
     assert stats["ttft_s"]["p50"] is not None and stats["throughput"]["tokens_per_s"] > 0
+
+
+def test_tool_turns_send_the_tool_list_on_every_turn_so_the_prefix_holds(fake):
+    """An agent sends its tools on every turn, and the tools render into the prompt's start: a replay that
+    sent them on tool turns only changed every later turn's prefix (30 of 196 returning turns of a tiers run
+    missed in every mode, the disk tier included). Checked with the router's own parser and SmolLM2's
+    template: each rendered prompt starts with the one before it, less its generation prompt."""
+    from services.router.api_openai import ChatCompletions
+    from services.router.conversation import render_prompt
+    from services.router.tool_calls import format_for
+    from shared.engine.models import load_tokenizer
+
+    f, url = fake
+    s = session("s", [req(0.0, 10), TraceRequest(t=1.0, type="s", model="tiny", in_tokens=20, out_tokens=3,
+                                                 hash_ids=[1, 2, 3, 4, 5], stop="tool_use"), req(2.0, 30)])
+    run([s], cfg(url, tool_turns=True))
+    bodies = [e["body"] for e in f.log]
+    assert [b["tools"] for b in bodies] == [[rp.TOOL]] * 3
+    assert [b["tool_choice"] for b in bodies] == ["none", "required", "none"]
+    tok = load_tokenizer("smollm2-135m")[0]
+    fmt = format_for(tok.chat_template)
+    prompts = [render_prompt(tok, ChatCompletions().parse(json.dumps(b).encode()).conversation, fmt)
+               for b in bodies]
+    assert all('"name": "run"' in p for p in prompts)
+    for before, after in zip(prompts, prompts[1:]):
+        head = before[:before.rindex("<|im_end|>")]  # the user turn's text grows; the rest is the same
+        assert after.startswith(head)
+    f.reset()
+    run([s], cfg(url))  # without tool_turns: no tools at all
+    assert all("tools" not in e["body"] for e in f.log)

@@ -78,3 +78,20 @@ async def test_a_cancel_ends_a_held_grant(decode):
     reply = await asyncio.wait_for(held, 1.0)
     assert reply.fatal and not reply.slots and "r2" not in zone.landings
     await zone.drop("r1")
+
+
+async def test_an_ask_repeated_after_a_bus_timeout_gets_the_same_slots_not_more(tiny):
+    """Prefill asks again when decode's answer came after the bus timeout: the same `ask` is answered with the
+    slots that ask was lent (still held for it), so a busy host's late answers lend out no extra slots."""
+    async with running_decode(Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS)), num_slots=4) as svc:
+        zone = svc.zone
+        ask = SlotRequest("r1", "prefill-0", 32 * zone.token_bytes, 32, max_slots=2, ask=1)
+        first = await zone.grant(ask)
+        again = await zone.grant(ask)
+        assert len(first.slots) == 2 and again.slots == first.slots and zone.slots.num_free == 2
+        second = await zone.grant(SlotRequest("r1", "prefill-0", 32 * zone.token_bytes, 32, max_slots=1, ask=2))
+        assert len(second.slots) == 1 and second.slots[0] not in first.slots and zone.slots.num_free == 1
+        old = await zone.grant(SlotRequest("r1", "prefill-0", 32 * zone.token_bytes, 32, max_slots=2))
+        assert len(old.slots) == 1  # ask 0 (a sender that makes no such promise): lent anew, as before
+        await zone.drop("r1")
+        assert zone.slots.num_free == 4

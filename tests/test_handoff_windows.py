@@ -89,6 +89,56 @@ async def test_slot_sized_windows_land_exactly(tiny, case, register_pages):
             assert not decode.zone.landings and slots.num_free == cfg.slots
 
 
+async def test_a_decode_that_answers_late_is_waited_for_or_asked_again(tiny):
+    """A busy host: decode answers the first SlotRequest after the bus timeout. Prefill asks again with the same
+    ask number, decode answers with the slots it already lent, and the staged handoff lands, not a 503; no
+    slot stays lent. Its HandoffDone is answered late too: prefill waits for that Ack until the handoff's
+    deadline, not the bus's timeout."""
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("late slots still land: " * 4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [want] = Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    cfg = TransferConfig(slot_bytes=4 * p_engine.layout.bytes_per_token, slots=6, max_slots_per_round=3,
+                         timeout_s=20)
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, cfg) as h:
+            h.p_bus.config.request_timeout_s = 0.3
+            grant, asks = h.decode.zone._grant, []
+
+            async def slow_first(msg):
+                asks.append(msg.ask)
+                reply = await grant(msg)
+                if len(asks) == 1:
+                    await asyncio.sleep(1.0)  # past the requester's timeout, the slots already lent
+                return reply
+
+            h.decode.zone._grant = slow_first
+            take, taken = h.decode.zone.take_when_landed, []
+
+            async def slow_take(rid, *a):
+                taken.append(rid)
+                await asyncio.sleep(1.0)  # the Ack comes after the requester's timeout
+                return await take(rid, *a)
+
+            h.decode.zone.take_when_landed = slow_take
+            chunks, finished = await collect_chunks(h.p_bus, "r1")
+            seq = p_engine.add_request("r1", prompt, params, prefill_only=True, retain_kv=True)
+            while not p_engine.step():
+                pass
+            table = list(seq.block_table)
+            done = HandoffDone("r1", seq.prompt_ids, seq.output_ids, seq.output_text, params,
+                               {"device": 0, "store": 0, "computed": len(prompt)})
+            await h.sender.send("decode-0", "r1", table, len(prompt), done)
+            p_engine.block_manager.release(reversed(table))
+            await asyncio.wait_for(finished.wait(), 30)
+            assert done.output_ids + [t for c in chunks for t in c.token_ids] == want.output_ids
+            assert asks[:2] == [1, 1] and len(asks) > 2  # the first ask twice, then the later rounds'
+            assert taken == ["r1"]  # HandoffDone went once, and its late Ack was waited for
+            assert not h.decode.zone.landings and h.slots.num_free == cfg.slots
+
+
 # ---------------------------------------------------------------- LandingZone alone
 
 

@@ -1,5 +1,5 @@
 """bench/agentic/tiers.py: the pause mixture and the sizing it documents, the per-mode summary, and (slow) the
-five systems side by side at the quick size: every mode answers every request, tool turns end in real calls,
+six systems side by side at the quick size: every mode answers every request, tool turns end in real calls,
 and the disk tier writes what the pool saved."""
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def test_the_caches_hold_a_third_of_the_working_set():
     cached = sz["device_blocks"] * 16 * tiers.KV_BYTES_PER_TOKEN + sz["store_bytes"]
     assert cached <= 0.34 * sz["working_set_bytes"] and sz["disk_bytes"] >= sz["working_set_bytes"]
     assert sz["device_blocks"] * 16 >= 2 * sz["longest_tokens"] - 16
+    assert sz["unbounded_blocks"] * 16 >= sz["distinct_tokens"] + 2 * sz["longest_tokens"]  # the ceiling's system
+    sets = tiers.overrides("unbounded", sz, "runs/x")
+    assert sets[-1] == f"prefill.engine.num_blocks={sz['unbounded_blocks']}"  # the last word: over the base's
 
 
 def test_summary_splits_ttft_by_pause_and_times_each_session():
@@ -39,10 +42,19 @@ def test_summary_splits_ttft_by_pause_and_times_each_session():
     assert [s["ttft_s"][b]["n"] for b, _, _ in tiers.BUCKETS] == [1, 1, 1]
     assert s["ttft_s"][">5min"]["p50"] == 0.3 and s["jct_s"] == {"a": 402.0, "b": 50.0}
     assert math.isclose(s["jct_mean_s"], 226.0)
+    assert s["wait_s"] == {"a": 2.0, "b": 50.0}  # the pauses are not the model's
+
+
+def test_model_wait_is_the_union_of_a_sessions_requests_after_its_warm_up():
+    def r(sid, a, b, warm=False):
+        return dict(session=sid, t_start=a, t_end=b, warmup=warm)
+    recs = [r("a", 0.0, 30.0, warm=True), r("a", 40.0, 45.0), r("a", 44.0, 50.0), r("a", 46.0, 47.0),  # overlaps
+            r("a", 100.0, 101.5), r("b", 5.0, 6.0)]
+    assert tiers.model_wait_s(recs) == {"a": 11.5, "b": 1.0}
 
 
 @pytest.mark.slow
-def test_five_systems_replay_the_same_sessions(tmp_path):
+def test_the_systems_replay_the_same_sessions(tmp_path):
     out = tmp_path / "tiers.json"
     assert tiers.main(["--quick", "--out", str(out), "--run-dir", str(tmp_path / "run")]) == 0
     result = json.loads(out.read_text())
@@ -51,6 +63,8 @@ def test_five_systems_replay_the_same_sessions(tmp_path):
     for s in by_mode.values():
         assert s["errors"] == 0 and s["returning_turns"] > 0 and s["hit_share"] is not None
     assert by_mode["lru"]["disk"] is None and by_mode["disk"]["disk"]["written"] > 0
+    ceiling = by_mode["unbounded"]["hit_share"]  # the measured ceiling: no bounded system is far above it
+    assert all(s["measured_ceiling"] == ceiling and s["hit_share"] <= ceiling + 0.05 for s in by_mode.values())
     assert by_mode["compact"]["disk"]["written_bytes"] < by_mode["disk"]["disk"]["written_bytes"]  # bf16 objects
     # tool turns ended in real calls, so the router learned the sessions' pauses
     assert by_mode["session"]["pool"]["saved_pinned_chunks"] > 0 and by_mode["lru"]["pool"]["saved_pinned_chunks"] == 0

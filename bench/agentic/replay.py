@@ -61,10 +61,12 @@ class ReplayConfig:
     max_sessions: int = 0              # 0 = all
     start_stagger_s: float = 0.0       # lane k starts its first session k x this after the replay starts (a fleet
                                        # whose agents do not all send their first, cold prompt in one second)
-    tool_turns: bool = False           # a request the trace recorded as ending in a tool call (stop "tool_use")
-                                       # is sent with a tool and tool_choice "required", so it ends in a real
-                                       # call (finish_reason tool_calls): the server learns the session is
-                                       # expected back, as from an agent (retention, prefetch)
+    tool_turns: bool = False           # every request carries the tool list, as an agent's does (it renders
+                                       # into the prompt: a list sent on some turns only would change every
+                                       # later turn's prefix); a request the trace recorded as ending in a tool
+                                       # call (stop "tool_use") is sent with tool_choice "required", so it ends
+                                       # in a real call (finish_reason tool_calls) and the server learns the
+                                       # session is expected back (retention, prefetch); the others with "none"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -285,9 +287,13 @@ class _Run:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.cfg.tool_turns and getattr(req, "stop", "") == "tool_use":  # a call of about 60 tokens, always whole
+        if not self.cfg.tool_turns:
+            return body
+        if getattr(req, "stop", "") == "tool_use":  # a call of about 60 tokens, always whole
             body.update(tools=[TOOL], tool_choice="required", parallel_tool_calls=False, ignore_eos=False,
                         max_completion_tokens=max(128, int(req.out_tokens)))
+        else:  # the same tools, so the same prompt prefix; the trace's answer is text
+            body.update(tools=[TOOL], tool_choice="none")
         return body
 
     async def send(self, session, tid: str, index: int, turn: int, warm: bool, req, think: float) -> None:

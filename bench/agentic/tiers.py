@@ -1,5 +1,5 @@
 """`moorage bench tiers`: agent sessions that pause for tools (seconds to ten minutes) under memory pressure,
-against five systems at once, each one tier richer than the last (issue 29):
+against five systems at once, each one tier richer than the last, and a sixth that holds everything (issue 29):
 
     lru        plain LRU everywhere (router.retention = lru, no prefetch)
     session    retention by expected return: a turn that ended in a tool call is kept (device LRU order,
@@ -7,23 +7,26 @@ against five systems at once, each one tier richer than the last (issue 29):
     prefetch   + prefetch on resume (halfway through the expected pause, back into the device cache)
     disk       + the stores' disk tier (up.disk_bytes: evicted chunks come back from local disk)
     compact    + bfloat16 pool objects (prefill.pool.dtype: twice the chunks per byte of DRAM; lossy)
+    unbounded  the ceiling, measured: plain LRU with a device cache that holds every session's KV at once
 
     python -m bench.agentic.tiers [--quick] [--out bench/results/tiers.json]
 
-Workload: bench.agentic.synth's corpus (subagents included), its sessions starting 10 s apart, replayed with `tool_turns` (a turn the trace
-ended in a tool call is sent with a required tool, so it ends in a real call) and the recorded think time
-of every main-thread request replaced by a draw from a documented tool-pause mixture (PAUSES: 55% 2-30 s,
-30% 30 s-5 min, 15% 5-10 min, log-uniform within each), waited for real, uncapped. Memory: each system's
-prefill device cache and DRAM pool together hold a third of the sessions' distinct KV (the
-working set, in the tiny model's float32 KV) or less; decode keeps no history (decode reuse off); the disk
-holds it all.
+Workload: bench.agentic.synth's corpus (subagents included), its sessions starting 10 s apart, replayed with
+`tool_turns` (every request carries the tool list, as an agent's does; a turn the trace ended in a tool call
+is sent with tool_choice "required", so it ends in a real call) and the recorded think time of every
+main-thread request replaced by a draw from a documented tool-pause mixture (PAUSES: 55% 2-30 s, 30% 30 s-5 min,
+15% 5-10 min, log-uniform within each), waited for real, uncapped. Memory: each system's prefill device cache
+and DRAM pool together hold a third of the sessions' distinct KV (the working set, in the tiny model's float32
+KV) or less; decode keeps no history (decode reuse off); the disk holds it all. The sixth system, `unbounded`,
+holds everything in its device cache: its hit share is the ceiling, measured with the same prompts and blocks.
 
-The five systems run side by side on this host, each replaying the same corpus at the same moments: they
-share the CPU equally, so their differences are the tiers', not the hour's. Per system: the returning
-turns' share of prompt tokens served from cache against the trace's ceiling; TTFT p50/p90 of returning
-turns split by the pause before them (< 30 s, 30 s-5 min, > 5 min); each session's job completion time
-(first send to last answer); bytes restored from the pool, written to and read from disk; prefetches used
-and wasted.
+The systems run side by side on this host, each replaying the same corpus at the same moments: they share the
+CPU equally, so their differences are the tiers', not the hour's. Per system: the returning turns' share of
+prompt tokens served from cache, against the measured ceiling and the trace's own (trace tokens: without the
+chat template and tool list every prompt starts with); TTFT p50/p90 of returning turns split by the pause
+before them (< 30 s, 30 s-5 min, > 5 min); each session's job completion time (first send to last answer) and
+model wait (the time after its first turn that a request of it was in flight: JCT less the tool pauses); bytes
+restored from the pool, written to and read from disk; prefetches used and wasted.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ MODES = {
     "prefetch": ["router.router.retention=session"],
     "disk": ["router.router.retention=session", "@disk"],
     "compact": ["router.router.retention=session", "@disk", "prefill.pool.dtype=bfloat16"],
+    "unbounded": ["router.router.retention=lru", "prefill.pool.prefetch=false", "@unbounded"],
 }
+CEILING_MODE = "unbounded"  # its hit share is the measured ceiling: the trace's own (trace tokens) leaves out the
+                            # chat template and the tool list every prompt starts with, and our block alignment
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,11 @@ def sizing(sessions: list, size: Size) -> dict:
     decode_blocks = math.ceil(6 * longest / 16)
     cached = device_blocks * 16 * KV_BYTES_PER_TOKEN
     store = max(16 << 20, int(size.cache_share * working - cached))  # Mooncake's smallest segment: 16 MiB
+    requests = sum(1 for s in sessions for _ in iter_requests(s))
+    unbounded = math.ceil((distinct + 256 * requests) / 16) + device_blocks  # + every prompt's own template
     return {"distinct_tokens": distinct, "working_set_bytes": working, "longest_tokens": longest,
             "device_blocks": device_blocks, "decode_blocks": decode_blocks, "store_bytes": store,
+            "unbounded_blocks": unbounded,
             "cache_to_working_set": round((cached + store) / working, 3), "disk_bytes": 2 * working}
 
 
@@ -115,11 +124,33 @@ def overrides(mode: str, sz: dict, run_dir: str) -> list[str]:
             "prefill.engine.chunk_tokens=64", "prefill.pool.restore_batch_chunks=16", "up.port=0",
             "decode.transfer.decode_reuse=false",
             "up.ready_timeout_s=300"]
-    return base + [f"up.disk_bytes={sz['disk_bytes']}" if o == "@disk" else o for o in MODES[mode]]
+    sub = {"@disk": f"up.disk_bytes={sz['disk_bytes']}", "@unbounded": f"prefill.engine.num_blocks={sz['unbounded_blocks']}"}
+    return base + [sub.get(o, o) for o in MODES[mode]]
 
 
 def bucket_of(pause: float) -> str:
     return next(name for name, lo, hi in BUCKETS if lo <= pause < hi)
+
+
+def model_wait_s(records: list[dict]) -> dict[str, float]:
+    """Per session, the time after its first (cold, warm-up) turn that it waited on the model: the union of its
+    requests' send-to-last-token intervals (subagents overlap). A session's JCT is this plus its tool pauses, which
+    no cache shortens."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        if not r["warmup"]:
+            spans.setdefault(r["session"], []).append((r["t_start"], r["t_end"]))
+    out = {}
+    for sid, iv in spans.items():
+        total, lo, hi = 0.0, None, None
+        for a, b in sorted(iv):
+            if hi is None or a > hi:
+                total += 0.0 if hi is None else hi - lo
+                lo, hi = a, b
+            else:
+                hi = max(hi, b)
+        out[sid] = round(total + hi - lo, 2)
+    return out
 
 
 def summarize_mode(mode: str, stats: dict, reports: dict) -> dict:
@@ -138,6 +169,7 @@ def summarize_mode(mode: str, stats: dict, reports: dict) -> dict:
         lo, hi = jct.get(r["session"], (math.inf, 0.0))
         jct[r["session"]] = (min(lo, r["t_start"]), max(hi, r["t_end"]))
     jct_s = {s: round(hi - lo, 2) for s, (lo, hi) in jct.items()}
+    wait_s = model_wait_s(stats["records"])
     prefill = next((r.detail for r in reports.values() if r.role == "prefill"), {})
     pool = prefill.get("pool") or {}
     disk = next((r.detail.get("disk") for r in reports.values() if r.role == "store" and r.detail.get("disk")), {})
@@ -148,6 +180,7 @@ def summarize_mode(mode: str, stats: dict, reports: dict) -> dict:
         "sources": {k: sum(r[k] for r in returning) for k in ("device", "store", "computed")},
         "ttft_s": ttft,
         "jct_s": jct_s, "jct_mean_s": round(sum(jct_s.values()) / len(jct_s), 2) if jct_s else None,
+        "wait_s": wait_s, "wait_mean_s": round(sum(wait_s.values()) / len(wait_s), 2) if wait_s else None,
         "pool": {k: pool.get(k) for k in ("restored_chunks", "restored_bytes", "saved_chunks", "saved_pinned_chunks",
                                           "prefetches", "prefetched_chunks", "prefetch_used", "prefetch_wasted",
                                           "disk_loads", "disk_loaded_chunks", "disk_load_failures", "verify_failures")},
@@ -189,8 +222,13 @@ def run(size: Size, run_dir: str, extra: list[str] = (), modes: list[str] | None
         reports = {m: {i: r for i, (_, r) in w.latest.items()} for m, w in watchers.items()}
     summary = [summarize_mode(m, stats[m], reports[m]) for m in modes]
     base = next((s for s in summary if s["mode"] == "lru"), None)
+    top = next((s["hit_share"] for s in summary if s["mode"] == CEILING_MODE), None)
     for s in summary:
-        s["jct_vs_lru"] = round(base["jct_mean_s"] / s["jct_mean_s"], 3) if base and s["jct_mean_s"] else None
+        s["measured_ceiling"] = top
+        s["below_measured_ceiling"] = round(top - s["hit_share"], 4) if None not in (top, s["hit_share"]) else None
+        for k in ("jct", "wait"):
+            mean = s[f"{k}_mean_s"]
+            s[f"{k}_vs_lru"] = round(base[f"{k}_mean_s"] / mean, 3) if base and base[f"{k}_mean_s"] and mean else None
     pauses = [r.think_time for s in sessions for t, r in iter_requests(s) if t == "main" and r.think_time > 0]
     return {"params": {"size": dataclasses.asdict(size), "quick": size != FULL, "pauses": PAUSES, "sizing": sz,
                        "pause_counts": {name: sum(lo <= p < hi for p in pauses) for name, lo, hi in BUCKETS},
@@ -205,15 +243,16 @@ def report(result: dict) -> str:
     rows = []
     for s in result["summary"]:
         t = s["ttft_s"]
-        rows.append([s["mode"], s["hit_share"], s["ceiling_share"],
+        rows.append([s["mode"], s["hit_share"], s["below_measured_ceiling"], s["ceiling_share"],
                      *(f"{ms(t[b]['p50'])} / {ms(t[b]['p90'])} (n={t[b]['n']})" for b, _, _ in BUCKETS),
-                     s["jct_mean_s"], s["jct_vs_lru"], (s["pool"] or {}).get("restored_bytes"),
+                     s["jct_mean_s"], s["jct_vs_lru"], s.get("wait_mean_s"), s.get("wait_vs_lru"),
+                     (s["pool"] or {}).get("restored_bytes"),
                      (s["disk"] or {}).get("written_bytes"), (s["disk"] or {}).get("read_bytes"),
                      f"{(s['pool'] or {}).get('prefetch_used')} / {(s['pool'] or {}).get('prefetch_wasted')}",
                      s["errors"]])
-    return md_table(["mode", "returning hit share", "ceiling",
+    return md_table(["mode", "returning hit share", f"below {CEILING_MODE}", "trace ceiling",
                      *(f"TTFT ms p50 / p90, pause {b}" for b, _, _ in BUCKETS),
-                     "JCT mean s", "JCT vs lru", "pool bytes restored", "disk bytes written", "disk bytes read",
+                     "JCT mean s", "JCT vs lru", "model wait mean s", "wait vs lru", "pool bytes restored", "disk bytes written", "disk bytes read",
                      "prefetch used / wasted", "errors"], rows)
 
 
@@ -227,7 +266,9 @@ def plot(result: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(summary))
     a.bar(x, [s["hit_share"] or 0 for s in summary], 0.6, label="served from cache")
-    a.plot(x, [s["ceiling_share"] or 0 for s in summary], "k_", markersize=30, label="trace ceiling")
+    a.plot(x, [s["ceiling_share"] or 0 for s in summary], "k_", markersize=30, label="trace ceiling (trace tokens)")
+    if summary[0].get("measured_ceiling") is not None:
+        a.axhline(summary[0]["measured_ceiling"], color="tab:red", linestyle="--", label=f"measured ceiling ({CEILING_MODE})")
     a.set_xticks(list(x), [s["mode"] for s in summary])
     a.set_ylabel("returning turns: prompt share from cache")
     a.legend()
@@ -238,7 +279,7 @@ def plot(result: dict, path: str) -> None:
     b.set_xticks(list(x), [s["mode"] for s in summary])
     b.set_ylabel("TTFT p50 of returning turns (ms)")
     b.legend()
-    fig.suptitle("tool pauses under memory pressure: five systems side by side")
+    fig.suptitle("tool pauses under memory pressure: the tiers side by side")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -249,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 short sessions, pauses x 0.01 (a smoke run)")
     ap.add_argument("--out", default="bench/results/tiers.json")
     ap.add_argument("--run-dir", default="runs/tiers")
-    ap.add_argument("--modes", default=",".join(MODES), help="which systems (default: all five)")
+    ap.add_argument("--modes", default=",".join(MODES), help="which systems (default: all six)")
     ap.add_argument("--set", action="append", default=[], help="moorage up override for every system (repeatable)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

@@ -84,6 +84,7 @@ class Landing:
     checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
     writer: str = ""       # direct: the prefill instance writing into `blocks`
     reused: int = 0        # direct: leading blocks of `blocks` we already held (decode reuse): nothing is written there
+    asks: dict[int, list] = field(default_factory=dict)  # staged: SlotRequest.ask -> the slots that ask was granted
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())
@@ -171,8 +172,15 @@ class LandingZone:
                 self._spawn(self._prefault(blocks))  # while its bytes are on the wire (a no-op once warm)
             landing = self.landings[rid]
         landing.last_activity = time.monotonic()
-        slots = self.slots.acquire(max(0, msg.max_slots), owner=rid)
-        return SlotGrant(rid, self.endpoint, [[s.slot_id, s.addr, s.nbytes] for s in slots])
+        if msg.ask in landing.asks:  # our answer to this ask came too late for prefill (a busy host): the same
+            held = self.slots.held_by(rid)  # slots again, none more (they stay lent until filled or dropped)
+            again = [s for s in landing.asks[msg.ask] if s[0] in held]
+            if again:
+                return SlotGrant(rid, self.endpoint, again)
+        granted = [[s.slot_id, s.addr, s.nbytes] for s in self.slots.acquire(max(0, msg.max_slots), owner=rid)]
+        if msg.ask and granted:
+            landing.asks[msg.ask] = granted
+        return SlotGrant(rid, self.endpoint, granted)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

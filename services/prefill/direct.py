@@ -203,7 +203,8 @@ class DirectSender:
             stats.write_ms = (time.perf_counter() - t) * 1e3
             stats.entry_bytes = lengths
             t = time.perf_counter()
-            ack = await send_done(self.bus, decode, await packing, done_context)
+            ack = await send_done(self.bus, decode, await packing, done_context,
+                                  time.monotonic() + self.config.timeout_s)
             stats.done_ms = (time.perf_counter() - t) * 1e3
             if not ack.ok:
                 raise HandoffFailed(f"decode refused the request: {ack.error}")

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from kernels.cpu_kv import threads as copy_threads
@@ -67,12 +68,15 @@ async def _finish_thread(fn, *args):
 
 
 def send_done(bus: Bus, decode: str, done: HandoffDone | bytes,
-              done_context: otel_context.Context | None) -> asyncio.Task:
+              done_context: otel_context.Context | None, deadline: float) -> asyncio.Task:
     """HandoffDone (or its `Bus.pack`ed bytes) to `decode`, as a task awaiting its Ack, with `done_context` (when
-    given) as its trace parent."""
+    given) as its trace parent. A busy decode answers late, not never (it verifies the KV first, and a staged
+    handoff's last bytes may still be landing): the Ack is awaited until the handoff's `deadline` (monotonic),
+    never less than the bus's timeout; a decode that is gone has no responder, and that fails at once."""
     token = otel_context.attach(done_context) if done_context is not None else None
+    wait = max(deadline - time.monotonic(), bus.config.request_timeout_s)
     try:  # the task copies the current context
-        return asyncio.create_task(bus.request(bus.subjects.decode_landed(decode), done, Ack))
+        return asyncio.create_task(bus.request(bus.subjects.decode_landed(decode), done, Ack, timeout=wait))
     finally:
         if token is not None:
             otel_context.detach(token)
@@ -122,6 +126,7 @@ class _Run:
     slots: list[list] = field(default_factory=list)  # granted, unused: [slot_id, addr, cap]
     endpoint: str = ""
     asking: asyncio.Task | None = None               # the SlotRequest in flight
+    asks: int = 0                                    # SlotRequests sent (each one's `ask`)
     acks: list[asyncio.Task] = field(default_factory=list)
     written: int = 0                                 # windows written so far
     credited: int = 0                                # slots granted so far: windows [0, credited) have one
@@ -196,7 +201,7 @@ class HandoffSender:
                 if run.written < len(run.windows) and len(run.slots) < len(run.windows) - run.written:
                     self._ask(run)  # overlaps the next gathers and the write after them
             done.handoff = {"bytes": run.stats.bytes, "writes": run.stats.writes, "rounds": run.stats.rounds}
-            adopted = send_done(self.bus, decode, done, done_context)
+            adopted = send_done(self.bus, decode, done, done_context, run.deadline)
             try:
                 for task in run.acks:
                     self._check_filled(await task, run.stats)
@@ -240,10 +245,19 @@ class HandoffSender:
             run.asking = asyncio.create_task(self._request_slots(run, want))
 
     async def _request_slots(self, run: _Run, want: int) -> SlotGrant:
-        """The SlotRequest task: records the granted slots itself, as it completes."""
+        """The SlotRequest task: records the granted slots itself, as it completes. A busy decode answers late,
+        not never: after a bus timeout the same ask goes again (decode answers it with the same slots) until
+        the handoff's deadline."""
+        run.asks += 1
+        ask = SlotRequest(run.request_id, self.instance, run.total, run.num_tokens, want, ask=run.asks)
         try:
-            grant = await self.bus.request(self.bus.subjects.decode_slots(run.decode), SlotRequest(
-                run.request_id, self.instance, run.total, run.num_tokens, want), SlotGrant)
+            while True:
+                try:
+                    grant = await self.bus.request(self.bus.subjects.decode_slots(run.decode), ask, SlotGrant)
+                    break
+                except NatsTimeoutError:
+                    if time.monotonic() > run.deadline:
+                        raise HandoffFailed("decode did not answer its slot request in time") from None
         finally:
             if run.asking is asyncio.current_task():
                 run.asking = None
@@ -294,8 +308,10 @@ class HandoffSender:
         run.stats.writes, run.stats.bytes, run.stats.rounds = (run.stats.writes + len(batch), run.stats.bytes + nbytes,
                                                                run.stats.rounds + 1)
         wire, crcs = to_wire(pieces)
+        # a busy decode scatters late, not never: its Ack may take until the handoff's deadline
+        wait = max(run.deadline - time.monotonic(), self.bus.config.request_timeout_s)
         run.acks.append(asyncio.create_task(self.bus.request(
-            self.bus.subjects.decode_filled(run.decode), SlotsFilled(run.request_id, wire, crcs), Ack)))
+            self.bus.subjects.decode_filled(run.decode), SlotsFilled(run.request_id, wire, crcs), Ack, timeout=wait)))
         if len(run.acks) > 2 and not last:
             self._check_filled(await run.acks.pop(0), run.stats)
 

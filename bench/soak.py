@@ -23,10 +23,12 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import torch
@@ -222,6 +224,8 @@ def run_soak(p: SoakParams, run_dir: str) -> dict:
     from shared.pool import PoolClient, PoolConfig
     from infra.up import UpConfig, launched
 
+    if p.disk_bytes:  # the same sessions every run: a disk tier left from the last would hold this run's chunks
+        shutil.rmtree(Path(run_dir) / "disk", ignore_errors=True)
     nats = start_nats_server()
     try:
         cfg = load_config(UpConfig, overrides=system_overrides(p, nats.url, run_dir))

@@ -29,6 +29,17 @@ def test_the_caches_hold_a_third_of_the_working_set():
     assert sz["unbounded_blocks"] * 16 >= sz["distinct_tokens"] + 2 * sz["longest_tokens"]  # the ceiling's system
     sets = tiers.overrides("unbounded", sz, "runs/x")
     assert sets[-1] == f"prefill.engine.num_blocks={sz['unbounded_blocks']}"  # the last word: over the base's
+    assert "up.disk_dir=runs/x/disk/disk" in tiers.overrides("disk", sz, "runs/x")
+
+
+def test_a_rerun_starts_with_an_empty_disk_tier(tmp_path):
+    """The same prompts every run: a disk tier left from the last one would serve hits this run never earned."""
+    old = tmp_path / "compact" / "disk" / "store-0" / "objects"
+    old.mkdir(parents=True)
+    (old / "k").write_bytes(b"x")
+    assert tiers.fresh_disk(str(tmp_path), "compact") == tmp_path / "compact" / "disk"
+    assert not (tmp_path / "compact" / "disk").exists()
+    assert tiers.fresh_disk(str(tmp_path), "lru") == tmp_path / "lru" / "disk"  # nothing there: no error
 
 
 def test_summary_splits_ttft_by_pause_and_times_each_session():

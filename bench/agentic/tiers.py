@@ -37,8 +37,10 @@ import contextlib
 import dataclasses
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench._util import LoadWatcher, machine_info, md_table, percentile, write_result
 from bench.agentic.replay import ReplayConfig, bench_synth_params, replay
@@ -124,8 +126,17 @@ def overrides(mode: str, sz: dict, run_dir: str) -> list[str]:
             "prefill.engine.chunk_tokens=64", "prefill.pool.restore_batch_chunks=16", "up.port=0",
             "decode.transfer.decode_reuse=false",
             "up.ready_timeout_s=300"]
-    sub = {"@disk": f"up.disk_bytes={sz['disk_bytes']}", "@unbounded": f"prefill.engine.num_blocks={sz['unbounded_blocks']}"}
-    return base + [sub.get(o, o) for o in MODES[mode]]
+    sub = {"@disk": [f"up.disk_bytes={sz['disk_bytes']}", f"up.disk_dir={Path(run_dir) / mode / 'disk'}"],
+           "@unbounded": [f"prefill.engine.num_blocks={sz['unbounded_blocks']}"]}
+    return base + [x for o in MODES[mode] for x in sub.get(o, [o])]
+
+
+def fresh_disk(run_dir: str, mode: str) -> Path:
+    """Empties the disk tier a system of an earlier run left in its run directory: every run replays the same
+    prompts, so its files would be hits this run never earned (a rerun read 630 MB from disk and wrote 0)."""
+    path = Path(run_dir) / mode / "disk"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 def bucket_of(pause: float) -> str:
@@ -211,6 +222,7 @@ def run(size: Size, run_dir: str, extra: list[str] = (), modes: list[str] | None
     with contextlib.ExitStack() as stack:
         for mode in modes:
             sets[mode] = overrides(mode, sz, run_dir) + list(extra)
+            fresh_disk(run_dir, mode)
             launcher, url = stack.enter_context(launched(load_config(UpConfig, overrides=sets[mode], env={})))
             urls[mode] = url
             watchers[mode] = LoadWatcher(launcher.nats.url, f"bench-tiers-{mode}")

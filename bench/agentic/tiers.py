@@ -58,8 +58,8 @@ MODES = {
     "compact": ["router.router.retention=session", "@disk", "prefill.pool.dtype=bfloat16"],
     "unbounded": ["router.router.retention=lru", "prefill.pool.prefetch=false", "@unbounded"],
 }
-CEILING_MODE = "unbounded"  # its hit share is the measured ceiling: the trace's own (trace tokens) leaves out the
-                            # chat template and the tool list every prompt starts with, and our block alignment
+CEILING_MODE = "unbounded"  # its hit share is the measured ceiling; the trace's own counts trace tokens, without the
+                            # chat template and tool list every prompt starts with, and in the trace's blocks, not ours
 
 
 @dataclass(frozen=True)

@@ -289,11 +289,10 @@ class _Run:
         }
         if not self.cfg.tool_turns:
             return body
+        body.update(tools=[TOOL], tool_choice="none")  # every turn: the same prompt prefix; the trace's answer is text
         if getattr(req, "stop", "") == "tool_use":  # a call of about 60 tokens, always whole
-            body.update(tools=[TOOL], tool_choice="required", parallel_tool_calls=False, ignore_eos=False,
+            body.update(tool_choice="required", parallel_tool_calls=False, ignore_eos=False,
                         max_completion_tokens=max(128, int(req.out_tokens)))
-        else:  # the same tools, so the same prompt prefix; the trace's answer is text
-            body.update(tools=[TOOL], tool_choice="none")
         return body
 
     async def send(self, session, tid: str, index: int, turn: int, warm: bool, req, think: float) -> None:

@@ -67,14 +67,19 @@ async def _finish_thread(fn, *args):
         raise
 
 
+def ack_timeout(bus: Bus, deadline: float) -> float:
+    """How long to wait for a reply that a busy decode gives late, not never: until the handoff's `deadline`
+    (monotonic), never less than the bus's own timeout."""
+    return max(deadline - time.monotonic(), bus.config.request_timeout_s)
+
+
 def send_done(bus: Bus, decode: str, done: HandoffDone | bytes,
               done_context: otel_context.Context | None, deadline: float) -> asyncio.Task:
     """HandoffDone (or its `Bus.pack`ed bytes) to `decode`, as a task awaiting its Ack, with `done_context` (when
-    given) as its trace parent. A busy decode answers late, not never (it verifies the KV first, and a staged
-    handoff's last bytes may still be landing): the Ack is awaited until the handoff's `deadline` (monotonic),
-    never less than the bus's timeout; a decode that is gone has no responder, and that fails at once."""
+    given) as its trace parent. Decode verifies the KV first, and a staged handoff's last bytes may still be
+    landing: the Ack is awaited for `ack_timeout`; a decode that is gone has no responder, and that fails at once."""
     token = otel_context.attach(done_context) if done_context is not None else None
-    wait = max(deadline - time.monotonic(), bus.config.request_timeout_s)
+    wait = ack_timeout(bus, deadline)
     try:  # the task copies the current context
         return asyncio.create_task(bus.request(bus.subjects.decode_landed(decode), done, Ack, timeout=wait))
     finally:
@@ -308,10 +313,9 @@ class HandoffSender:
         run.stats.writes, run.stats.bytes, run.stats.rounds = (run.stats.writes + len(batch), run.stats.bytes + nbytes,
                                                                run.stats.rounds + 1)
         wire, crcs = to_wire(pieces)
-        # a busy decode scatters late, not never: its Ack may take until the handoff's deadline
-        wait = max(run.deadline - time.monotonic(), self.bus.config.request_timeout_s)
-        run.acks.append(asyncio.create_task(self.bus.request(
-            self.bus.subjects.decode_filled(run.decode), SlotsFilled(run.request_id, wire, crcs), Ack, timeout=wait)))
+        run.acks.append(asyncio.create_task(self.bus.request(  # a busy decode scatters late, not never
+            self.bus.subjects.decode_filled(run.decode), SlotsFilled(run.request_id, wire, crcs), Ack,
+            timeout=ack_timeout(self.bus, run.deadline))))
         if len(run.acks) > 2 and not last:
             self._check_filled(await run.acks.pop(0), run.stats)
 

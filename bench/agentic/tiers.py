@@ -184,6 +184,7 @@ def summarize_mode(mode: str, stats: dict, reports: dict) -> dict:
     prefill = next((r.detail for r in reports.values() if r.role == "prefill"), {})
     pool = prefill.get("pool") or {}
     disk = next((r.detail.get("disk") for r in reports.values() if r.role == "store" and r.detail.get("disk")), {})
+    sessions = next((r.detail.get("sessions") for r in reports.values() if r.role == "router"), None) or {}
     return {
         "mode": mode, "returning_turns": len(returning), "errors": stats["errors"]["total"],
         "hit_share": round(reused / prompt, 4) if prompt else None,
@@ -194,9 +195,11 @@ def summarize_mode(mode: str, stats: dict, reports: dict) -> dict:
         "wait_s": wait_s, "wait_mean_s": round(sum(wait_s.values()) / len(wait_s), 2) if wait_s else None,
         "pool": {k: pool.get(k) for k in ("restored_chunks", "restored_bytes", "saved_chunks", "saved_pinned_chunks",
                                           "prefetches", "prefetched_chunks", "prefetch_used", "prefetch_wasted",
+                                          "prefetch_lost",
                                           "disk_loads", "disk_loaded_chunks", "disk_load_failures", "verify_failures")},
         "disk": {k: disk.get(k) for k in ("written", "written_bytes", "read", "read_bytes", "evicted",
                                           "verify_failures", "spill_missed", "objects", "bytes")} if disk else None,
+        "pin": {k: sessions.get(k) for k in ("pin_s", "pool_turnover_s", "pauses_seen", "pause_p50_s", "pause_p95_s")},
     }
 
 

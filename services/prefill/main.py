@@ -149,7 +149,7 @@ class PrefillService:
         answer ended its task has the device blocks only it holds evicted first (once that save let go of them)."""
         waited = self.pool is not None and self.pool.saver.turn_ended(msg)
         if msg.expected_back and self.prefetch is not None:
-            self.prefetch.expect((msg.tenant, msg.session_id), msg.expect_in_s)
+            self.prefetch.expect((msg.tenant, msg.session_id), msg.expect_in_s, msg.pin_s)
         if not msg.expected_back and not waited:
             await self._demote_ended((msg.tenant, msg.session_id))
 

@@ -33,7 +33,7 @@ class RouterSettings:
     overlap_admission: bool = True     # submit to prefill while the gate decides, when the gate's last report says it will admit at once (saves the admit round trip)
     session_idle_s: float = 600.0      # a session's sticky prefill is forgotten after this idle time
     retention: str = "session"         # session: tell prefill and decode when a session's answer ended its task (no tool call), so its cached KV is evicted before that of sessions expected back; lru: say nothing (plain LRU)
-    session_pin_min_s: float = 60.0    # retention=session: a session expected back has its new pool objects soft-pinned for 1.5x the 95th percentile of the tool pauses seen (services/router/pauses.py), at least this long
+    session_pin_min_s: float = 60.0    # retention=session: a session expected back has its new pool objects soft-pinned, at least this long: for 1.5x the 95th percentile of the tool pauses seen while the pool evicts nothing; under pressure only as far past the pool's turnover as the returns it catches, weighed by the session's recompute cost, are worth the space (services/router/pauses.py)
     session_pin_max_s: float = 1800.0  # ... and at most this long (also the pin until 8 pauses were seen)
     routing: str = "cache-aware"       # cache-aware (session owner, longest resident prefix, load), sticky or p2c
     cache_aware_max_imbalance_tokens: int = 16384  # queued-token lead over the idlest prefill that voids a cache hit

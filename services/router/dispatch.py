@@ -30,6 +30,7 @@ from services.router.guided import Guidance
 from services.router.liveness import Gone, LivenessMonitor, Watch
 from services.router.metrics import RouterMetrics
 from services.router.pauses import PauseTracker
+from services.router.pool_turnover import PoolTurnover
 from services.router.routing import LoadTable, PrefillPicker, Sticky
 from services.router.schemas import OpenAIError
 from services.router.tool_calls import ToolFormat, format_for
@@ -69,8 +70,10 @@ class RouterState:
     boot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process (load reports, admits): a restarted
     #                                                               router's gate reservations are freed by it
     instance: str = ""  # this router's name on the bus: engines match its Holdings to what it sent them
+    recompute_knee_tokens: float = math.inf  # the model's (shared/engine/model_config.py): weighs a session's pin
     decode_sessions: Sticky = field(init=False)         # session -> its last decode (which holds its prompt's blocks)
     pauses: PauseTracker = field(init=False)            # tool pauses seen: they size a returning session's pool pin
+    turnover: PoolTurnover = field(init=False)          # how long the pool keeps what nobody pins: what a pin must beat
     monitor: LivenessMonitor = field(init=False)        # watches the instances of in-flight requests
     guidance: Guidance = field(init=False)              # grammars for required calls and JSON answers
     tool_format: ToolFormat = field(init=False)         # how this model writes a tool call
@@ -79,7 +82,9 @@ class RouterState:
         self.guidance = Guidance(self.tokenizer)
         self.tool_format = format_for(getattr(self.tokenizer, "chat_template", ""))  # (tests build it without one)
         self.decode_sessions = Sticky(self.settings.session_idle_s)
-        self.pauses = PauseTracker(self.settings.session_pin_min_s, self.settings.session_pin_max_s, clock=self.clock)
+        self.pauses = PauseTracker(self.settings.session_pin_min_s, self.settings.session_pin_max_s,
+                                   knee_tokens=self.recompute_knee_tokens, clock=self.clock)
+        self.turnover = PoolTurnover(clock=self.clock)
         self.monitor = LivenessMonitor(self.settings.liveness_timeout_s, self.clock, self.bus)
         self.loads.listeners.append(self.monitor.on_report)
         self.loads.exit_listeners.append(self.monitor.on_exit)
@@ -89,13 +94,14 @@ class RouterState:
         cap = self.settings.max_request_tokens
         return min(cap, self.max_context) if cap else self.max_context
 
-    async def session_turn(self, session_id: str, tenant: str, expected_back: bool) -> None:
+    async def session_turn(self, session_id: str, tenant: str, expected_back: bool, tokens: int = 0) -> None:
         """Every prefill and decode learns whether the session's last answer ended its task (its KV goes first)
-        or called a tool (its new pool objects are pinned for as long as agents' tools have been taking)."""
-        self.pauses.ended((tenant, session_id), expected_back)
+        or called a tool (its new pool objects are pinned for as long as catching its return is worth the
+        space: services/router/pauses.py). `tokens`: its history now, prompt and answer."""
+        self.pauses.ended((tenant, session_id), expected_back, tokens)
+        pin = self.pauses.pin_s(self.turnover.turnover_s(), tokens) if expected_back else 0.0
         await self.bus.publish(self.bus.subjects.session_turn,
-                               SessionTurn(session_id, tenant, expected_back,
-                                           self.pauses.pin_s() if expected_back else 0.0,
+                               SessionTurn(session_id, tenant, expected_back, pin,
                                            self.pauses.expected_s() if expected_back else 0.0))
 
     async def close_session(self, session_id: str, tenant: str) -> None:

@@ -338,6 +338,7 @@ class Generation:
             elif self.turn is not None and status == 200:  # answered: a tool call comes back, a final answer not
                 tenant, session, shaper = self.turn
                 try:
-                    await self.state.session_turn(session, tenant, shaper.called)
+                    history = (usage["prompt_tokens"] + usage["completion_tokens"]) if usage else 0
+                    await self.state.session_turn(session, tenant, shaper.called, history)
                 except Exception as e:  # advisory: the KV stays in plain LRU order
                     self.log.warning("session turn not sent", error=str(e))

@@ -15,7 +15,7 @@ from services.router.config import RouterConfig
 from services.router.dispatch import RouterState
 from services.router.routing import LoadTable, make_picker
 from services.router.schemas import OpenAIError
-from shared.engine.models import load_tokenizer
+from shared.engine.models import load_model_meta
 from shared.messages import Holdings, InstanceExited, KVEventBatch, LoadReport
 from shared.ops_http import EmbeddedServer
 from shared.service import ServiceContext
@@ -24,10 +24,11 @@ from shared.sockets import inherited, listen, url_of
 
 async def build_state(config: RouterConfig, bus, boot: str = "") -> RouterState:
     s = config.router
-    tokenizer, max_context = await asyncio.to_thread(load_tokenizer, s.model)
+    tokenizer, model = await asyncio.to_thread(load_model_meta, s.model)
     loads = LoadTable(s.instance_timeout_s)
     picker = make_picker(s.routing, loads, s.session_idle_s, max_imbalance_tokens=s.cache_aware_max_imbalance_tokens)
-    state = RouterState(s, bus, tokenizer, max_context, loads, picker, instance=config.instance)
+    state = RouterState(s, bus, tokenizer, model.max_context, loads, picker, instance=config.instance,
+                        recompute_knee_tokens=model.recompute_knee_tokens)
     if boot:  # the process's own incarnation (ServiceContext.boot): what an InstanceExited for it names
         state.boot = boot
     if picker.index is not None:
@@ -65,10 +66,15 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(ctx.bus.subjects.exited_all, InstanceExited, on_exited)
 
     index = state.picker.index
-    if index is not None:  # cache-aware routing: mirror every prefill's KV events (advisory)
-        events = state.metrics.kv_events
+    turnover = state.turnover if s.retention == "session" else None
+    if index is not None or turnover is not None:  # every prefill's and the master's KV events (advisory): the
+        events = state.metrics.kv_events           # cache-aware index mirrors them, the pins weigh the pool's turnover
 
         async def on_kv_events(batch: KVEventBatch, _raw: Msg) -> None:
+            if turnover is not None:
+                turnover.apply(batch.events)
+            if index is None:
+                return
             bad = index.apply(batch.instance, batch.events)
             events.labels("applied").inc(len(batch.events) - bad if isinstance(batch.events, list) else 0)
             events.labels("malformed").inc(bad)
@@ -83,7 +89,8 @@ async def serve(ctx: ServiceContext) -> None:
 
     def load_report() -> LoadReport:
         return LoadReport(ctx.instance, "router", True, running=state.metrics.open_requests.count,
-                          detail={"http": url, "boot": state.boot, "sessions": state.pauses.stats()})
+                          detail={"http": url, "boot": state.boot,
+                                  "sessions": {**state.pauses.stats(), **state.turnover.stats()}})
 
     ctx.load_report = load_report
     server = EmbeddedServer(uvicorn.Config(

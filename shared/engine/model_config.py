@@ -3,6 +3,7 @@ its RoPE scaling), Mistral, Qwen 2 and 3, and Gemma 3, whose differences are fie
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shared.engine.rope_scaling import RopeScaling
@@ -62,6 +63,18 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma 3's block: q/k norms, norms after attention and MLP too, GeGLU, scaled embeddings."""
         return self.arch == "gemma3"
+
+    @property
+    def recompute_knee_tokens(self) -> float:
+        """The context length at which a token's attention costs as much as its weight matmuls, in
+        multiply-adds: per layer, the projections (q, k, v, o) and the gated MLP against 2 x q-width per context
+        token (QK and AV) on each layer that attends over the whole context. Recomputing N tokens (causal: each
+        attends to N/2 on average) so costs ~ N * (1 + N / (2 * knee)): the KV of a long session is dearer to lose
+        per byte than a short one's. inf: every layer is windowed. SmolLM2-135M: 3,072 tokens."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = self.num_layers * self.hidden_size * (2 * q + 2 * kv + 3 * self.intermediate_size)
+        attention = 2 * q * sum(self.layer_window(i) == 0 for i in range(self.num_layers))
+        return linear / attention if attention else math.inf
 
     def layer_window(self, layer: int) -> int:
         """Tokens a layer attends back over, its own included (0: the whole context)."""

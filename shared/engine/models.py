@@ -123,12 +123,18 @@ def _hf_dir_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
 
 
 def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
-    """The tokenizer and the model's max context, without reading (or dequantizing) any weights:
-    for the router, which tokenizes and checks context length but never runs the model."""
+    """The tokenizer and the model's max context, without reading (or dequantizing) any weights."""
+    tokenizer, config = load_model_meta(name_or_path)
+    return tokenizer, config.max_context
+
+
+def load_model_meta(name_or_path: str) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and the model's shape, without reading (or dequantizing) any weights: for the router,
+    which tokenizes, checks context length and weighs recompute costs but never runs the model."""
     if name_or_path == "tiny":
         from shared.engine.tiny import tiny_config
 
-        return ByteTokenizer(), tiny_config().max_context
+        return ByteTokenizer(), tiny_config()
     path = bundled_path(name_or_path)
     if path.suffix == ".gguf":
         from shared.engine.model_cache import CacheEntry
@@ -136,7 +142,7 @@ def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
         entry = CacheEntry.for_file(path)
         hit = entry.load_meta(name_or_path) if entry else None
         if hit is not None:
-            return hit[1], hit[0].max_context
+            return hit[1], hit[0]
         from gguf import GGUFReader
 
         from shared.engine.gguf_loader import read_config
@@ -146,11 +152,11 @@ def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, int]:
         tokenizer = BPETokenizer.from_gguf_reader(reader, config.eos_token_ids)
         if entry:
             entry.save_meta(config, tokenizer)
-        return tokenizer, config.max_context
+        return tokenizer, config
     if (path / "config.json").exists():
         from shared.engine.hf_loader import read_hf_config
 
         config = read_hf_config(path, name_or_path)
-        return _hf_dir_tokenizer(path, config), config.max_context
+        return _hf_dir_tokenizer(path, config), config
     raise ValueError(f"unknown model {name_or_path!r}: use one of {BUNDLED_MODELS}, a .gguf file "
                      "or a directory with config.json + tokenizer files")

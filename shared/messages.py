@@ -330,7 +330,7 @@ class SessionTurn(Message):
     session_id: str
     tenant: str = ""
     expected_back: bool = False
-    pin_s: float = 0.0  # expected back: soft-pin its new pool objects this long (router's TTL); prefetch looks till then
+    pin_s: float = 0.0  # expected back: soft-pin its new pool objects this long (router's TTL); prefetch looks until
     expect_in_s: float = 0.0  # expected back: agents' median tool pause so far (0: too few seen); times a prefetch
 
 

@@ -27,7 +27,8 @@ WINDOW_S = 300.0     # evictions older than this say nothing of the pressure now
 
 
 class PoolTurnover:
-    def __init__(self, window_s: float = WINDOW_S, max_chunks: int = 1 << 20, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float = WINDOW_S, max_chunks: int = 1 << 20,
+                 clock: Callable[[], float] = time.monotonic):
         if window_s <= 0 or max_chunks < 1:
             raise ValueError(f"need window_s > 0 and max_chunks >= 1, got {window_s}, {max_chunks}")
         self.window_s, self.max_chunks, self.clock = window_s, max_chunks, clock
@@ -67,4 +68,5 @@ class PoolTurnover:
 
     def stats(self) -> dict:
         t = self.turnover_s()
-        return {"pool_chunks_tracked": len(self._entered), **({"pool_turnover_s": round(t, 1)} if t is not None else {})}
+        return {"pool_chunks_tracked": len(self._entered),
+                **({"pool_turnover_s": round(t, 1)} if t is not None else {})}

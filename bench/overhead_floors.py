@@ -124,9 +124,9 @@ def _serve_http(kind: str, port: int) -> None:
 
 def _start_gate(url: str, workdir: str, extra: list[str]) -> subprocess.Popen:
     """The real gate service (`moorage serve gate`), logging and tracing to files as under `moorage up`."""
+    from infra.tomlgen import to_toml
     from services.gate.config import GateConfig
     from shared.config import load_config
-    from shared.tomlgen import to_toml
 
     cfg = load_config(GateConfig, overrides=[f"bus.url={url}", "http.port=-1", f"tracing.path={workdir}/traces.jsonl",
                                              *extra])
@@ -252,7 +252,7 @@ def _wait_subscribed(url: str, timeout: float = 30) -> None:
 def measure(n: int, warm: int, gate_set: list[str], only: list[str] | None = None) -> dict:
     import uvloop
 
-    from shared.natsd import start_nats_server
+    from infra.natsd import start_nats_server
 
     only = set(only or ("nats", "gate", "http"))
     res: dict = {"nats": {}, "gate": {}, "http": {}}

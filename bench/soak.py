@@ -219,10 +219,10 @@ def _params(n: int):
 
 def run_soak(p: SoakParams, run_dir: str) -> dict:
     """Start the system, soak it, stop it: the result (params, counts, per-turn records)."""
-    from shared.config import load_config
-    from shared.natsd import start_nats_server
-    from shared.pool import PoolClient, PoolConfig
+    from infra.natsd import start_nats_server
     from infra.up import UpConfig, launched
+    from shared.config import load_config
+    from shared.pool import PoolClient, PoolConfig
 
     if p.disk_bytes:  # the same sessions every run: a disk tier left from the last would hold this run's chunks
         shutil.rmtree(Path(run_dir) / "disk", ignore_errors=True)

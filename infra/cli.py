@@ -62,7 +62,7 @@ def _models(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from shared.engine.model_report import PRESETS, inspect_model
+    from infra.model_report import PRESETS, inspect_model
     from shared.logging import setup_logging
 
     setup_logging("models", "cli", level="warning", json=False)
@@ -97,8 +97,8 @@ def _add_up(sub) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from shared.config import load_config
     from infra.up import UpConfig, run_up
+    from shared.config import load_config
 
     overrides = list(args.set)
     if args.model:
@@ -207,11 +207,11 @@ def _call(target: str, *args) -> int:
 
 
 def _trace_main(rest: list[str]) -> int:
-    """`moorage trace show|breakdown`: request traces (shared/tracecli.py); synth|validate: agent traces."""
-    from shared.tracecli import ACTIONS
+    """`moorage trace show|breakdown`: request traces (infra/tracecli.py); synth|validate: agent traces."""
+    from infra.tracecli import ACTIONS
 
     if rest[:1] and rest[0] in ACTIONS:
-        return _call("shared.tracecli:main", rest)
+        return _call("infra.tracecli:main", rest)
     if rest[:1] not in (["-h"], ["--help"]):
         return _call(TRACE_TARGET, rest)
     try:

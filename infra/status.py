@@ -12,10 +12,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from infra.natsd import CREDENTIAL_FILE, NatsCredential
+from infra.runstate import STATE_FILE, read_state, recorded_processes
 from shared.bus import Bus, BusConfig
 from shared.messages import LoadReport
-from shared.natsd import CREDENTIAL_FILE, NatsCredential
-from shared.runstate import STATE_FILE, read_state, recorded_processes
 
 
 class BusUnreachable(RuntimeError):

@@ -30,6 +30,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.exits import ExitAnnouncer, new_boot
+from infra.kv_split import KVSplit, measure_kv
+from infra.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
+from infra.procs import ProcId, die_with_parent
+from infra.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
+from infra.supervise import RestartPolicy, Supervisor, describe_exit
+from infra.tomlgen import to_toml
 from services.decode.config import DecodeConfig
 from services.gate.config import GateConfig
 from services.master.config import MasterConfig
@@ -37,17 +44,10 @@ from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from services.store.config import StoreConfig
 from shared.config import ConfigError
-from infra.kv_split import KVSplit, measure_kv
 from shared.engine.kv_sizing import parse_memory
-from infra.exits import ExitAnnouncer, new_boot
 from shared.messages import InstanceExited
-from shared.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
-from shared.procs import ProcId, die_with_parent
-from shared.runstate import NATS_DIR, STATE_FILE, clean_stale, write_state
-from shared.sockets import free_port, listen, url_of
 from shared.service import BOOT_ENV
-from shared.supervise import RestartPolicy, Supervisor, describe_exit
-from shared.tomlgen import to_toml
+from shared.sockets import free_port, listen, url_of
 
 CLI_MODULE = "infra.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` with this interpreter
 READY_ROLES = ("gate", "prefill", "decode")  # the roles the router's /health lists by instance
@@ -173,7 +173,7 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
 
 
 class Launcher:
-    """Starts, supervises (restart on failure, see shared/supervise.py) and stops one system. Every
+    """Starts, supervises (restart on failure, see infra/supervise.py) and stops one system. Every
     process is spawned by the supervisor's thread, which lives until `stop()`: children get
     PR_SET_PDEATHSIG from it, so a launcher killed with kill -9 takes all of them along."""
 
@@ -191,7 +191,7 @@ class Launcher:
         self.nats_address = ""
         self.router_url = ""
         self.router_sock: socket.socket | None = None  # bound here, served by the router (router.listen_fd)
-        self.trace_ui = None  # shared.trace_ui.Phoenix when up.trace_ui is set
+        self.trace_ui = None  # infra.trace_ui.Phoenix when up.trace_ui is set
         self.started = time.time()
         self._owns_run_dir = False  # set once clean_stale found no other live launcher there
         self._say = say or (lambda line: print(f"moorage: {line}", flush=True))
@@ -269,7 +269,7 @@ class Launcher:
         if _sized_by_up(self.cfg.decode.engine) or _sized_by_up(self.cfg.prefill.engine):
             self.kv = measure_kv(self.cfg)
         if self.cfg.up.trace_ui:  # before the services: they export to it from their first span
-            from shared.trace_ui import export_to, start_trace_ui
+            from infra.trace_ui import export_to, start_trace_ui
             self.trace_ui = start_trace_ui(self.cfg.up.trace_ui, self.run_dir, self._say)
             self.cfg = export_to(self.cfg, self.trace_ui.url, self.run_dir / "traces.jsonl")
         for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential,

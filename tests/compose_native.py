@@ -22,8 +22,8 @@ from pathlib import Path
 import tomllib
 import yaml
 
+from infra.natsd import nats_server_binary
 from shared.config import ENV_PREFIX
-from shared.natsd import nats_server_binary
 from tests.compose_ports import LOOPBACK, ComposeError, PortMap, Rewriter
 
 # Ports the images we do not build open without saying so in the compose file.

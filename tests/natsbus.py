@@ -31,7 +31,7 @@ def nats_url() -> Iterator[str]:
         with DockerContainer("nats:2.10").with_exposed_ports(4222) as c:
             yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
         return
-    from shared.natsd import start_nats_server
+    from infra.natsd import start_nats_server
 
     server = start_nats_server()
     try:

@@ -13,13 +13,13 @@ import httpx
 import numpy as np
 import pytest
 
+from infra.natsd import NatsServer, start_nats_server
+from infra.up import UpConfig, launched
 from shared.bus import DEFAULT_MAX_MESSAGE_BYTES, Bus, BusConfig, PayloadTooLarge
 from shared.config import load_config
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.messages import Ack, HandoffDone, PrefillSubmit
-from shared.natsd import NatsServer, start_nats_server
-from infra.up import UpConfig, launched
 from tests.natsbus import nats_url
 
 MILLION = 1_000_000

@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from shared.config import load_config
-from shared.listeners import comm, descendants, listeners
+from infra.listeners import comm, descendants, listeners
 from infra.up import NATS_CHILD, UpConfig, launched
+from shared.config import load_config
 
 MOONCAKE_USERS = ("store", "prefill", "decode")  # processes that run a Mooncake Transfer Engine
 MOONCAKE_PORTS = range(15000, 17001)             # its default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT

@@ -110,7 +110,7 @@ def _run_status(tmp_path, nats_url: str) -> tuple[subprocess.CompletedProcess, f
     import os
     import time
 
-    from shared.procs import ProcId
+    from infra.procs import ProcId
 
     me = ProcId.of(os.getpid())  # a live process, so the state is not stale
     (tmp_path / "up.json").write_text(json.dumps({"nats_url": nats_url, "router_url": "http://127.0.0.1:9",
@@ -139,8 +139,8 @@ def test_status_with_the_bus_down_is_one_line_not_a_hang(tmp_path):
 
 
 def test_status_table_shows_restarts():
-    from shared.messages import LoadReport
     from infra.status import _restarts_line, format_table
+    from shared.messages import LoadReport
 
     reports = {("store", "store-0"): (LoadReport(instance="store-0", role="store", ready=True, capacity_tokens=0), 0.0)}
     table = format_table(reports, {"store-0": 2})

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from infra.tomlgen import to_toml
+from infra.up import UpConfig
 from services.decode.config import DecodeConfig
 from services.gate.config import GateConfig, GateSettings
 from services.prefill.config import PrefillConfig
 from services.router.config import RouterConfig
 from shared.config import ConfigError, describe, load_config, parse_overrides
-from shared.tomlgen import to_toml
-from infra.up import UpConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

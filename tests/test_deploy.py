@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from infra.deploy import load_inventory, render
+from infra.natsd import nats_server_binary
 from infra.rendering import CONFIGS
 from shared.config import ConfigError, load_config
-from shared.natsd import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "infra" / "examples" / "two-hosts.toml"

@@ -102,3 +102,34 @@ def test_only_type_checking_imports_are_left_out():
     assert _imports_of(tree, run_time_only=True) == {"typing", "shared.config", "shared.engine", "infra.cli",
                                                      "bench.engine"}
     assert {"shared.kv_layout", "services.decode"} <= _imports_of(tree)
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module an import may name: `from a.b import c` names a.b and a.b.c (c may be a module)."""
+    out = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_shared_holds_only_what_the_services_import():
+    """shared/ is the services' library: each of its modules is imported by a service, or by a shared module a
+    service imports. Launcher, CLI and trace tooling live in infra/."""
+    files = {_module_of(p): p for p in (ROOT / "shared").rglob("*.py")}
+    todo = [p for p in (ROOT / "services").rglob("*.py")]
+    reached: set[str] = set()
+    while todo:
+        for name in _imported_names(todo.pop()):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+                m = ".".join(parts[:i])
+                if m in files and m not in reached:
+                    reached.add(m)
+                    todo.append(files[m])
+    assert not set(files) - reached, f"no service imports {sorted(set(files) - reached)}: move them to infra/"

@@ -14,12 +14,12 @@ import time
 import nats
 import pytest
 
+from infra.natsd import CREDENTIAL_FILE, MAX_PAYLOAD_BYTES, NatsCredential, start_nats_server
+from infra.procs import cmdline
+from infra.up import Launcher, UpConfig
 from shared.bus import Bus, BusConfig
 from shared.config import load_config
 from shared.messages import Cancel
-from shared.natsd import CREDENTIAL_FILE, MAX_PAYLOAD_BYTES, NatsCredential, start_nats_server
-from shared.procs import cmdline
-from infra.up import Launcher, UpConfig
 
 
 def mode(path) -> int:

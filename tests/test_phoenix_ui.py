@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import load_config
-from shared.phoenix_api import PhoenixClient
-from shared.tracing import PROJECT
+from infra.phoenix_api import PhoenixClient
 from infra.up import UpConfig, launched
+from shared.config import load_config
+from shared.tracing import PROJECT
 from tests.natsbus import nats_url
 from tests.tracetree import SYSTEM, arrived, check_tree, restored_turn
 

@@ -31,7 +31,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.tokenizer import ByteTokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, SessionClose,
                              SessionTurn, TokenChunk)
-from shared.natsd import start_nats_server
+from infra.natsd import start_nats_server
 from shared.sockets import free_port
 from shared.tracing import read_spans
 

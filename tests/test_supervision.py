@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.config import ConfigError, load_config
-from shared.procs import ProcId, wait_gone
-from shared.runstate import clean_stale, read_state, write_state
-from shared.supervise import RestartPolicy, Supervisor, describe_exit
+from infra.procs import ProcId, wait_gone
+from infra.runstate import clean_stale, read_state, write_state
+from infra.supervise import RestartPolicy, Supervisor, describe_exit
 from infra.up import NATS_CHILD, UpConfig, launched
+from shared.config import ConfigError, load_config
 from shared.sockets import free_port, listen
 from tests.natsbus import latest_reports
 
@@ -107,8 +107,8 @@ def test_children_die_with_the_supervisor_thread_owner(tmp_path):
     script = tmp_path / "owner.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "from shared.procs import die_with_parent\n"
-        "from shared.supervise import Supervisor\n"
+        "from infra.procs import die_with_parent\n"
+        "from infra.supervise import Supervisor\n"
         "s = Supervisor()\n"
         "p = s.add('x', lambda: subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         "                                        preexec_fn=die_with_parent()))\n"

@@ -13,11 +13,11 @@ import httpx
 import numpy as np
 import pytest
 
-from shared.config import load_config
-from shared.tracecli import parse_since
-from shared.tracequery import breakdown, find_request, read_jsonl, request_traces
-from shared.traceview import waterfall
+from infra.tracecli import parse_since
+from infra.tracequery import breakdown, find_request, read_jsonl, request_traces
+from infra.traceview import waterfall
 from infra.up import UpConfig, launched
+from shared.config import load_config
 from tests.natsbus import nats_url
 from tests.tracetree import EXPECTED, SYSTEM, arrived, check_tree, restored_turn
 
@@ -165,8 +165,8 @@ def test_a_real_system_traces_one_tree_per_request_and_the_cli_reads_it(tmp_path
 
 
 def test_up_trace_ui_setting_and_every_service_exporting_to_it(tmp_path):
+    from infra.trace_ui import export_to
     from shared.config import ConfigError
-    from shared.trace_ui import export_to
 
     with pytest.raises(ConfigError, match="up.trace_ui"):
         load_config(UpConfig, overrides=["up.trace_ui=jaeger"])

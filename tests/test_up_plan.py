@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load_config
 from infra.up import UpConfig, plan
+from shared.config import ConfigError, load_config
 
 
 def topology(*overrides: str) -> dict[str, tuple[str, object]]:
@@ -54,7 +54,7 @@ def test_bad_topology_is_a_config_error():
 
 
 def test_every_service_gets_the_run_credential():
-    from shared.natsd import NatsCredential
+    from infra.natsd import NatsCredential
 
     cfg = load_config(UpConfig, overrides=[], env={})
     cred = NatsCredential.generate()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from infra.natsd import nats_server_binary
 from infra.rendering import CONFIGS
 from shared.config import load_config
-from shared.natsd import nats_server_binary
 from tests.cluster import netns
 from tests.cluster.launch import HostFS, Service, ServiceFailed, start
 from tests.cluster.units import ServiceSpec, service_spec

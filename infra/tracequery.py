@@ -1,5 +1,5 @@
 """Per-request traces and per-stage latencies from moorage's spans (what `moorage trace show|breakdown`
-prints), read from the jsonl trace file or, through shared/phoenix_api.py, from Phoenix.
+prints), read from the jsonl trace file or, through infra/phoenix_api.py, from Phoenix.
 
 A span is the jsonl exporter's dict (shared/tracing.span_to_dict): name, trace_id, span_id,
 parent_span_id, service, start_ns, end_ns, duration_ms, attributes, status. One request is one trace

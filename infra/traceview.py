@@ -1,6 +1,6 @@
 """Terminal views of request traces (rich): one request's waterfall, and the per-stage breakdown.
 
-Pure rendering over shared/tracequery.py's RequestTrace / Breakdown; the command is shared/tracecli.py.
+Pure rendering over infra/tracequery.py's RequestTrace / Breakdown; the command is infra/tracecli.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from shared.tracequery import Breakdown, RequestTrace
+from infra.tracequery import Breakdown, RequestTrace
 
 SERVICE_STYLE = {"router": "cyan", "gate": "magenta", "prefill": "green", "decode": "yellow"}
 BAR_WIDTH = 40

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.procs import die_with_parent
+from infra.procs import die_with_parent
 
 MAX_PAYLOAD_BYTES = 8 << 20  # the embedded server's max_payload (NATS's default is 1 MiB)
 CREDENTIAL_FILE = "nats-credential.json"  # in the run directory, mode 0600

@@ -8,7 +8,7 @@ and its pins then never constrain the project's. It listens on loopback, on free
 database in RUN_DIR/phoenix. Services keep writing RUN_DIR/traces.jsonl too (exporter "jsonl,otlp-http"),
 so `moorage trace` works either way.
 
-`python -m shared.trace_ui` makes the venv (infra/dev-env.sh runs it, so CI has Phoenix).
+`python -m infra.trace_ui` makes the venv (infra/dev-env.sh runs it, so CI has Phoenix).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def start_phoenix(workdir: Path, host: str = "127.0.0.1", port: int = 0, ready_t
 
 def start_trace_ui(kind: str, run_dir: Path, log=print) -> Phoenix:
     """The UI `up.trace_ui` names, started for the system in run_dir (dies with the launcher)."""
-    from shared.procs import die_with_parent
+    from infra.procs import die_with_parent
 
     if kind != "phoenix":
         raise ValueError(f"unknown trace UI {kind!r}: expected one of {', '.join(t for t in TRACE_UIS if t)}")
@@ -143,5 +143,5 @@ def export_to(cfg, endpoint: str, traces_path: Path):
     return dataclasses.replace(cfg, **changed)
 
 
-if __name__ == "__main__":  # python -m shared.trace_ui [VENV]: make Phoenix's venv
+if __name__ == "__main__":  # python -m infra.trace_ui [VENV]: make Phoenix's venv
     print(ensure_venv(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_VENV))

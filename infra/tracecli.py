@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from infra.tracequery import breakdown, find_request, read_jsonl, request_traces
+from infra.traceview import breakdown_table, waterfall
 from shared.tracing import PROJECT
-from shared.tracequery import breakdown, find_request, read_jsonl, request_traces
-from shared.traceview import breakdown_table, waterfall
 
 ACTIONS = ("show", "breakdown")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -64,7 +64,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def load_spans(args: argparse.Namespace, since_ns: int = 0) -> list[dict]:
     if args.phoenix:
-        from shared.phoenix_api import PhoenixClient
+        from infra.phoenix_api import PhoenixClient
 
         return PhoenixClient(args.phoenix).spans(args.project, since_ns=since_ns)
     return read_jsonl(Path(args.file) if args.file else Path(args.run_dir) / "traces.jsonl", since_ns)

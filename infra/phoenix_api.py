@@ -1,5 +1,5 @@
 """Spans back out of Phoenix, through its REST API (`GET /v1/projects/{project}/spans`, cursor-paged),
-in the jsonl exporter's shape (shared/tracing.span_to_dict), so shared/tracequery.py reads either source.
+in the jsonl exporter's shape (shared/tracing.span_to_dict), so infra/tracequery.py reads either source.
 
 Phoenix keeps span attributes but not the OTLP resource: the service name comes from the
 `service.name` span attribute that shared/tracing.py adds when it exports over OTLP.

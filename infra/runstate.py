@@ -17,8 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-from shared.natsd import CREDENTIAL_FILE
-from shared.procs import ProcId, cmdline, terminate
+from infra.natsd import CREDENTIAL_FILE
+from infra.procs import ProcId, cmdline, terminate
 
 STATE_FILE = "up.json"
 NATS_DIR = "nats"  # the embedded nats-server's work directory (config with the credential, ports file)

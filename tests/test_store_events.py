@@ -246,3 +246,50 @@ def test_prefill_publishes_transferred_events():
     assert batch.events == [{"type": "transferred", "hashes": [d(1), d(2)], "medium": "device", "to": "decode-3"}]
     idx = KVIndex()
     assert idx.apply(batch.instance, batch.events) == 0 and idx.counts == {"transferred/device": 1}
+
+
+def test_events_from_the_engine_thread_go_out_as_one_batch_after_the_window_and_an_idle_publisher_sends_nothing():
+    """The engine thread's events wake the loop once and leave together; with nothing emitted, nothing is sent."""
+    import threading
+
+    from services.prefill.events import KVEventPublisher
+    from shared.bus import Subjects
+
+    class Bus:
+        subjects = Subjects("t")
+
+        def __init__(self):
+            self.sent, self.fail = [], False
+
+        async def publish(self, subject, msg):
+            if self.fail:
+                raise ConnectionError("bus down")
+            self.sent.append((subject, msg))
+
+    async def main():
+        bus = Bus()
+        pub = KVEventPublisher(bus, "prefill-0", window_s=0.05)
+        pub.start()
+        await asyncio.sleep(0.2)
+        assert bus.sent == []  # idle: no batch, empty or not
+        engine = threading.Thread(target=lambda: [pub.emit_transferred([d(i)], "decode-0") for i in range(5)])
+        engine.start()
+        engine.join()
+        for _ in range(100):
+            if bus.sent:
+                break
+            await asyncio.sleep(0.01)
+        assert [len(b.events) for _, b in bus.sent] == [5]
+        bus.fail = True  # a batch that cannot go out is sent after the next window, once the bus is back
+        pub.emit_transferred([d(9)], "decode-1")
+        await asyncio.sleep(0.12)
+        bus.fail = False
+        for _ in range(100):
+            if len(bus.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await pub.stop()
+        return bus.sent
+
+    sent = asyncio.run(main())
+    assert len(sent) == 2 and sent[1][1].events[0]["to"] == "decode-1"

@@ -127,9 +127,11 @@ class Master:
     async def watch(self) -> None:
         """Restart the child whenever it dies, after restart_backoff_s."""
         while not self.stopping:
-            await asyncio.sleep(POLL_S)
-            if self.stopping or self.proc is None or self.proc.poll() is None:
-                continue
+            if self.proc is None:
+                return
+            await asyncio.to_thread(self.proc.wait)  # its exit is the event; stop() ends it too
+            if self.stopping:
+                return
             self.log.warning("mooncake_master died", returncode=self.proc.returncode, restarts=self.restarts)
             self.scraped_ok = False
             with contextlib.suppress(asyncio.TimeoutError):

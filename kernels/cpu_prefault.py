@@ -1,15 +1,20 @@
 """First touch of fresh KV pages, off the critical path: `prefault` faults blocks in without changing a byte.
 
-Not a copy kernel (no C of its own: one libc call, madvise), but its callers are the copy kernels' (decode
-landing a handoff, the page warmer), so it lives beside them.
+`prefault` is one libc call, madvise, for a caller's own thread (decode landing a handoff). `Warmer` is the
+page warmer's thread (shared/engine/page_warmer.py): native, at nice 19, faulting pages in by touch, never
+holding the GIL or the mmap lock (kernels/csrc/page_warmer.c says why), built like the copy kernels
+(kernels/cbuild.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import torch
+
+from kernels.cbuild import BASE_FLAGS, CSRC, CKernel
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing their bytes
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -62,3 +67,53 @@ def prefault(pages: torch.Tensor, block_ids: list[int]) -> bool:
             if libc.madvise(start, min(z, start + POPULATE_PIECE_BYTES) - start, _MADV_POPULATE_WRITE) != 0:
                 return False
     return True
+
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+WARMER = CKernel("page_warmer", CSRC / "page_warmer.c", "moorage_warmer_start",
+                 [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _P], [["-pthread"]],
+                 base_flags=list(BASE_FLAGS), what="KV page warmer",
+                 more={"moorage_warmer_want": [_P, _I64], "moorage_warmer_state": [_P, _P],
+                       "moorage_warmer_wait": [_P, _I64], "moorage_warmer_stop": [_P]})
+
+
+class Warmer:
+    """A native thread at nice 19 keeping blocks [0, wanted) of CPU page tensors resident and writable
+    (without changing a byte), in steps of `step_blocks`. The caller keeps the tensors alive until `stop()` returns.
+    RuntimeError when the C library cannot be built (no compiler)."""
+
+    def __init__(self, pages: list[torch.Tensor], num_blocks: int, step_blocks: int, wanted: int):
+        start = WARMER.load()
+        n = len(pages)
+        bases = (ctypes.c_uint64 * n)(*[p.data_ptr() for p in pages])
+        block_bytes = (ctypes.c_int64 * n)(*[p[0].numel() * p.element_size() for p in pages])
+        handle = ctypes.c_void_p()
+        rc = start(n, bases, block_bytes, num_blocks, step_blocks, POPULATE_PIECE_BYTES, wanted, ctypes.byref(handle))
+        if rc != 0:
+            raise OSError(rc, f"starting the page warmer: {os.strerror(rc)}")
+        self._handle, self._lock = handle.value, threading.Lock()  # the lock: no call after stop() freed it
+
+    def _call(self, name: str, *args) -> int | None:
+        with self._lock:
+            return None if self._handle is None else WARMER.symbol_fn(name)(self._handle, *args)
+
+    def want(self, wanted: int) -> None:
+        self._call("moorage_warmer_want", wanted)
+
+    def state(self) -> tuple[int, int, bool]:
+        """(warmed, wanted, ended)."""
+        out = (ctypes.c_int64 * 3)()
+        if self._call("moorage_warmer_state", out) is None:
+            return 0, 0, True
+        return out[0], out[1], bool(out[2])
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once everything wanted so far is resident, or the thread ended (tests)."""
+        return self._call("moorage_warmer_wait", int(timeout_s * 1000)) != 0
+
+    def stop(self) -> None:
+        """Ends the thread (within one piece) and frees it; idempotent."""
+        with self._lock:
+            if self._handle is not None:
+                WARMER.symbol_fn("moorage_warmer_stop")(self._handle)
+                self._handle = None

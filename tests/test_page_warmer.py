@@ -65,6 +65,19 @@ def test_window_made_resident_then_follows_allocations():
         warmer.close()
 
 
+def test_blocks_already_written_keep_every_byte():
+    """The warmer faults pages in by adding 0 to a word of each: bytes already there stay as they are."""
+    pages = fresh_pages(256)
+    pattern = torch.arange(pages[0][:40].numel(), dtype=torch.float32).view_as(pages[0][:40]) + 0.5
+    pages[0][:40] = pattern
+    warmer = PageWarmer(pages, ahead_blocks=128, step_bytes=1 << 20)
+    try:
+        assert warmer.wait_idle() and resident_share(pages[0], 0, 128) == 1.0
+        assert torch.equal(pages[0][:40], pattern) and not pages[0][40:].any()
+    finally:
+        warmer.close()
+
+
 def test_window_stops_at_the_pool_end():
     pages = fresh_pages(64)
     warmer = PageWarmer(pages, ahead_blocks=1000)
@@ -79,7 +92,7 @@ def test_window_stops_at_the_pool_end():
 
 def test_off_starts_no_thread():
     warmer = PageWarmer(allocate_pages(LAYOUT, 64), ahead_blocks=0)
-    assert warmer._thread is None
+    assert warmer._warmer is None and not warmer.running
     warmer.allocated([10])
     assert warmer.wanted == 0
 
@@ -109,16 +122,41 @@ def test_engine_warms_ahead_of_its_scheduler():
 
 
 def test_dropped_engine_frees_its_pages_and_thread():
-    """The thread holds the pages weakly: dropping the warmer (an engine without close) ends it."""
+    """Dropping the warmer (an engine without close) stops and joins its thread, then frees the pages."""
     import gc
     import weakref
     pages = fresh_pages(4096)
     ref = weakref.ref(pages[0])
     warmer = PageWarmer(pages, ahead_blocks=8)
-    thread = warmer._thread
-    assert warmer.wait_idle()
+    stopper = warmer._stopper
+    assert warmer.running and warmer.wait_idle()
     del warmer, pages
     gc.collect()
-    thread.join(5)
-    assert not thread.is_alive()
+    assert not stopper.alive  # stop() ran: the thread was joined before the pages could go
     assert ref() is None
+
+
+def test_the_warmer_thread_never_takes_the_gil():
+    """The warmer makes progress while this thread holds the GIL without a break: it is a native thread that
+    never asks for the GIL, so the engine never hands the GIL to a thread the scheduler may leave waiting."""
+    import threading
+    import time
+    pages = fresh_pages(4096)  # 256 MiB of fresh blocks: most of a second of populating
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(60)  # no forced GIL switch: no other Python thread runs during the loop below
+    try:
+        warmer = PageWarmer(pages, ahead_blocks=4096, step_bytes=1 << 20)
+        before, t0 = warmer.warmed, time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a nice-19 thread: the other core is idle meanwhile
+            pass
+        during = warmer.warmed
+    finally:
+        sys.setswitchinterval(switch)
+    try:
+        assert not any("warm" in t.name for t in threading.enumerate())
+        assert during > before
+        assert warmer.wait_idle(60) and resident_share(pages[0], 0, 4096) == 1.0
+    finally:
+        warmer.close()
+    assert not warmer.running
+    warmer.close()  # twice: nothing left to stop

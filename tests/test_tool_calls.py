@@ -51,6 +51,11 @@ HERMES_CASES = [
     ("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_w",
      [(0, "get_time", {})]),  # a second call cut off by max_tokens
     ("<tool_call>\n{\"name\": \"get_w", [Text("<tool_call>\n{\"name\": \"get_w")]),  # no call at all: content
+    ("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}\n</",  # max_tokens cut the closing tag
+     [(0, "get_time", {"tz": "UTC"})]),
+    ("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_ca", [(0, "get_time", {})]),
+    ("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}} and then </",  # not just the tag: content
+     [Text("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}} and then </")]),
 ]
 
 

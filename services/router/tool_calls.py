@@ -11,7 +11,8 @@ Formats (`FORMATS`; the model's chat template picks one, `format_for`):
 `CallParser.feed(text)` returns what can be shown now: `Text` (content) and `Call` events. Text that may
 still become a call's opening is held back, never taken back later; text that turns out not to be a
 well-formed call (bad JSON, an unknown tool) stays content, except an unclosed call after complete ones
-(the output ran out of max_tokens mid-call). `finish()` flushes what is held.
+(the output ran out of max_tokens mid-call). A call whose JSON is whole but whose closing tag max_tokens
+cut is that call. `finish()` flushes what is held.
 
 A format also writes the grammar that makes a call certain (`tool_choice` required or named: see
 services/router/guided.py) and renders earlier calls into the history, identically every turn.
@@ -120,7 +121,14 @@ class HermesParser(CallParser):
             body = self.buf[len(self.OPEN):end if end >= 0 else len(self.buf)]
             consumed = end + len(self.CLOSE) if end >= 0 else len(self.buf)
             try:
-                parsed = _call_from(json.loads(body), self.names, "arguments")
+                if end >= 0:
+                    obj = json.loads(body)
+                else:  # max_tokens ran out: a whole call cut only in its closing tag is still that call
+                    rest = body.lstrip()
+                    obj, i = json.JSONDecoder().raw_decode(rest)
+                    if not self.CLOSE.startswith(rest[i:].strip()):
+                        raise ValueError("text after the call")
+                parsed = _call_from(obj, self.names, "arguments")
             except ValueError:
                 parsed = None
             block, self.buf = self.buf[:consumed], self.buf[consumed:]

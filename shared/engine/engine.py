@@ -58,7 +58,7 @@ class EngineConfig:
     tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
     chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
-    kv_warm_ahead: str = "512MiB"     # CPU: keep this much KV (a size, or a share of the pool: "10%") beyond the blocks used so far resident, faulted in by an idle-priority thread; "0" = off (first writes then page-fault)
+    kv_warm_ahead: str = "512MiB"     # CPU: keep this much KV (a size, or a share of the pool: "10%") beyond the blocks used so far resident, faulted in by a native thread at nice 19 (idle CPU); "0" = off (first writes then page-fault)
 
     def __post_init__(self) -> None:
         warm_ahead_bytes(self.kv_warm_ahead, 1)  # raises ValueError on a bad value

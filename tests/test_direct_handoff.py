@@ -480,3 +480,40 @@ async def test_writes_told_landed_early_are_checked_once_and_a_bad_one_still_ref
             with pytest.raises(Refused, match="write 1 "):
                 await pages.land(done("r2", writes))
             assert "r2" not in decode.zone.landings and await free() == NUM_BLOCKS
+
+
+async def test_a_release_sent_while_decode_is_not_subscribed_reaches_it_once_it_is(nats_url):
+    """The bus restarted between decode's grant and prefill's release: decode is not subscribed again yet, so
+    a plain publish was lost and the blocks were held until expiry. The release is asked until acknowledged."""
+    from services.prefill.direct import DirectSender
+    from shared.bus import Bus, BusConfig
+    from shared.messages import Ack
+    from shared.transfer import TransferConfig
+
+    prefill_bus = await Bus.connect(BusConfig(url=nats_url, prefix="rel"), "prefill-0")
+    decode_bus = await Bus.connect(BusConfig(url=nats_url, prefix="rel"), "decode-0")
+    sender = DirectSender(prefill_bus, "prefill-0", None, [], None, TransferConfig(direct=False, timeout_s=30), [])
+    got: list[str] = []
+    try:
+        await sender.release("decode-0", "r1")  # returns at once: nobody listens yet
+        assert len(sender._releasing) == 1
+        await asyncio.sleep(0.8)  # no responders: asked again meanwhile
+        assert got == [] and len(sender._releasing) == 1
+
+        async def released(msg: PagesReleased, raw) -> Ack:
+            got.append(msg.request_id)
+            return Ack(msg.request_id, True)
+
+        await decode_bus.subscribe(decode_bus.subjects.decode_pages_released("decode-0"), PagesReleased, released)
+        for _ in range(100):
+            if not sender._releasing:
+                break
+            await asyncio.sleep(0.05)
+        assert got == ["r1"] and not sender._releasing  # delivered, acknowledged, no longer asked
+
+        await sender.release("decode-gone", "r2")  # nobody ever answers: stopping the service ends the asking
+        await sender.close()
+        assert not sender._releasing
+    finally:
+        await prefill_bus.close()
+        await decode_bus.close()

@@ -17,7 +17,8 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   once on a thread of their own, and `land` awaits those checks instead of checking them again (a head start:
   the verify overlaps the rest of the write). A write listed there that does not lie within the granted
   blocks is ignored; HandoffDone's tiling check refuses it.
-- `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped.
+- `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped, and the
+  release acknowledged (prefill asks until it is: a bus restart must not leave the blocks held to expiry).
 
 A granted landing is `writes_over = False` until HandoffDone or PagesReleased: dropped before that
 (cancel, expiry) its blocks wait in the zone's quarantine, so a late write never lands in blocks that
@@ -36,7 +37,7 @@ from services.decode.landing import GRANT_HOLD_S, Landing, LandingZone
 from shared.engine.block_manager import OutOfBlocks
 from shared.handoff_check import MISMATCH, checksum
 from shared.logging import get_logger
-from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
+from shared.messages import Ack, HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
 from shared.page_writes import tiling_error, to_runs
 from shared.threads import started_executor
 from shared.tracing import extract_context, get_tracer
@@ -135,9 +136,11 @@ class DirectPages:
             bm.release(reversed(reused))
             raise
 
-    async def released(self, msg: PagesReleased, raw=None) -> None:
+    async def released(self, msg: PagesReleased, raw=None) -> Ack:
+        """Acknowledged (prefill asks again until it is): a lost release would hold the blocks until expiry."""
         await self.zone.drop(msg.request_id)
         await self.zone.writes_ended(msg.request_id)
+        return Ack(msg.request_id, True)
 
     async def landed(self, msg: PagesLanded, raw=None) -> None:
         """A head start: check these complete writes now, beside the rest of the write, not at HandoffDone.

@@ -488,5 +488,6 @@ async def serve(ctx: ServiceContext) -> None:
     await ctx.bus.subscribe(s.exited_all, InstanceExited, svc.on_exited)
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first
+    ctx.on_stop.append(direct.close)
     ctx.on_stop.append(events.stop)
     ctx.on_stop.append(svc.stop)

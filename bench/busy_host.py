@@ -99,7 +99,8 @@ async def session(client, model: str, seed: int, size: Size) -> list[dict]:
         messages.append({"role": "assistant", "content": first["text"] or None, "tool_calls": calls})
         await asyncio.sleep(size.pause_s)
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": "1 failed: assert 1 == 2"} for c in calls]
-        rows.append({"session": seed, "turn": 2, **await turn(client, model, messages, f"busy-{seed}", size.max_tokens, False)})
+        second = await turn(client, model, messages, f"busy-{seed}", size.max_tokens, required=False)
+        rows.append({"session": seed, "turn": 2, **second})
     elif first["ok"]:  # the model ran on inside the call (a 135M model repeats "py.py.py..." in a string)
         rows[0]["cut"] = True  # an answer, at max_tokens: counted, not an error; the session ends here
     return rows

@@ -158,8 +158,6 @@ class DirectSender:
             try:
                 await self.bus.request(subject, PagesReleased(request_id), Ack, timeout=RELEASE_ASK_S)
                 return
-            except asyncio.CancelledError:
-                raise
             except Exception:  # no responders (decode reconnecting, or gone) or no answer yet
                 if time.monotonic() + pause > deadline:
                     return

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -187,12 +188,8 @@ def system_bench_main(argv: list[str] | None, doc: str, name: str, run: Callable
 # --- helpers for bench/handoff.py ---------------------------------------------------------------
 
 def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (0..100) of a non-empty list, like numpy's default."""
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The q-th percentile (0..100) of a non-empty list: numpy's, linear interpolation, as a float."""
+    return float(np.percentile(xs, q))
 
 
 # --- helpers for bench/restore.py ---------------------------------------------------------------

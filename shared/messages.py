@@ -210,6 +210,8 @@ class SlotRequest(Message):
     max_slots: int
     ask: int = 0  # this handoff's n-th ask (from 1): asked again after a bus timeout, decode answers the same n with
                   # the same slots instead of lending more (0: no such promise)
+    block_hashes: list = msgspec.field(default_factory=list)  # as PagesRequest's (decode reuse): the leading blocks
+    block_size: int = 0  # of prefill's blocks, which those hashes chain: decode matches them only when its own is the same
 
 
 @message("slot_grant")
@@ -217,6 +219,8 @@ class SlotGrant(Message):
     request_id: str
     endpoint: str = ""                                # decode's transfer-engine endpoint
     slots: list = msgspec.field(default_factory=list)         # [[slot_id, addr, nbytes], ...]
+    reused_tokens: int = 0  # leading tokens decode already holds (SlotRequest.block_hashes): prefill sends only the
+    #   bytes of the tokens after them; the same in every grant of the request
     error: str = ""
     fatal: bool = False  # asking again cannot help (cancelled, layout mismatch, malformed); else: no room yet, ask again
 

@@ -64,8 +64,8 @@ async def handoff_pair(url: str, p_engine: Engine, d_engine: Engine, cfg):
     slots = LandingSlots(cfg.slots, cfg.slot_bytes, d_te)
     decode = DecodeService(service_ctx("decode", d_bus), d_engine,
                            lambda loop: LandingZone(d_engine, loop, slots, d_te.endpoint,
-                                                    register_pages=cfg.register_pages),
-                           transport=d_te, direct=cfg.direct, register_pages=cfg.register_pages, reuse=cfg.decode_reuse)
+                                                    register_pages=cfg.register_pages, reuse=cfg.decode_reuse),
+                           transport=d_te, direct=cfg.direct, register_pages=cfg.register_pages)
     decode.loop.start()
     try:
         s = d_bus.subjects

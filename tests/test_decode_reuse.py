@@ -1,9 +1,11 @@
 """Decode keeps the session (issue 30): a prompt's landed blocks stay in decode's prefix index after its request
-ends, and the next turn's direct handoff writes only the blocks decode lacks.
+ends, and the next turn's handoff writes only the blocks decode lacks: straight into its pages (direct), or
+staged through landing slots (the path of pages the transfer engine cannot register, a GPU's).
 
 - pure: the block manager's hash-only match, its check of held blocks against the tokens, and taking
   blocks out of the index; the tiling check of a handoff that starts past the held blocks;
-- in process, real Transfer Engines over loopback and a real nats-server, the tiny model on both sides:
+- in process, real Transfer Engines over loopback and a real nats-server, the tiny model on both sides, each
+  handoff both ways:
   a second turn reuses the first prompt's full blocks (the bytes written are the rest, whole blocks) and
   its greedy output equals the scratch one; blocks decode computed itself are never offered; a
   HandoffDone whose prompt differs from the hashes the grant matched is refused and those blocks are
@@ -77,9 +79,7 @@ def test_a_handoff_past_held_blocks_tiles_only_the_rest():
 def test_a_grant_holds_the_matched_blocks_before_it_allocates_the_rest(tiny):
     """The allocation for the rest could evict the very blocks just matched (they are cached-free): they are
     acquired first, so it runs short instead, and then nothing stays taken."""
-    from types import SimpleNamespace
-
-    from services.decode.direct import DirectPages
+    from services.decode.landing import hold_prefix_then_allocate
     from shared.engine.block_manager import OutOfBlocks
 
     engine = Engine(tiny, EngineConfig(num_blocks=6))
@@ -88,12 +88,11 @@ def test_a_grant_holds_the_matched_blocks_before_it_allocates_the_rest(tiny):
     held = bm.allocate(3)
     bm.register_full_blocks(held, tokens, 3)
     bm.release(reversed(held))  # cached-free: reclaimable
-    pages = DirectPages(SimpleNamespace(layout=engine.layout, engine=engine), None, enabled=False)
     with pytest.raises(OutOfBlocks):
-        pages._take(bm.block_hashes(tokens), 3 + 4)  # 4 more than the 3 plain-free blocks
+        hold_prefix_then_allocate(bm, bm.block_hashes(tokens), 3 + 4)  # 4 more than the 3 plain-free blocks
     bm.check_integrity()
     assert bm.match_hashes(bm.block_hashes(tokens)) == held and bm.num_free_blocks == 6
-    reused, new = pages._take(bm.block_hashes(tokens), 3 + 3)
+    reused, new = hold_prefix_then_allocate(bm, bm.block_hashes(tokens), 3 + 3)
     assert reused == held and len(new) == 3 and not set(new) & set(held) and bm.num_free_blocks == 0
     bm.release(reversed(reused + new))
     bm.check_integrity()
@@ -109,10 +108,27 @@ def _scratch(tiny, prompt):
     return want.output_ids
 
 
+# the two handoffs: straight into decode's pages, and staged through landing slots with the pages deliberately
+# not registered (the path a GPU's pages take: gather on the pages' device, host buffer, scatter)
+MODES = {"direct": {}, "slots": {"register_pages": False}}
+
+
+def _cfg(mode: str, **kw) -> TransferConfig:
+    return TransferConfig(timeout_s=20, **MODES[mode], **kw)
+
+
+def _sent_bytes(layout, mode: str, num_tokens: int, held_blocks: int) -> int:
+    """What a handoff past `held_blocks` moves: whole blocks straight into the pages, the tokens' rows through
+    landing slots."""
+    if mode == "direct":
+        return (-(-num_tokens // layout.block_size) - held_blocks) * layout.block_bytes
+    return (num_tokens - held_blocks * layout.block_size) * layout.bytes_per_token
+
+
 async def _turn(h, p_engine, rid, prompt, tamper=None, hashes=True):
     """Prefill `prompt`, hand it off (with its block hashes unless `hashes` is false), and collect decode's
     tokens: (all output ids, the handoff stats, the error chunk or None). `tamper` changes the HandoffDone's
-    prompt after the grant was asked for."""
+    prompt after the grant was asked for. The direct handoff when `h.direct` takes it, else the staged one."""
     chunks, finished = await collect_chunks(h.p_bus, rid)
     seq = p_engine.add_request(rid, prompt, PARAMS, prefill_only=True, retain_kv=True)
     while not p_engine.step():
@@ -123,6 +139,8 @@ async def _turn(h, p_engine, rid, prompt, tamper=None, hashes=True):
     block_hashes = p_engine.block_manager.block_hashes(prompt) if hashes else []
     try:
         stats = await h.direct.send("decode-0", rid, table, len(prompt), done, block_hashes=block_hashes)
+        if stats is None:  # pages not registered: through landing slots
+            stats = await h.sender.send("decode-0", rid, table, len(prompt), done, block_hashes=block_hashes)
     finally:
         p_engine.block_manager.release(reversed(table))
     await asyncio.wait_for(finished.wait(), 30)
@@ -134,22 +152,24 @@ def _engines(tiny, decode_blocks=64):
     return Engine(tiny, EngineConfig(num_blocks=96)), Engine(tiny, EngineConfig(num_blocks=decode_blocks))
 
 
-async def test_the_next_turn_sends_only_what_decode_lacks_and_answers_as_from_scratch(tiny):
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_next_turn_sends_only_what_decode_lacks_and_answers_as_from_scratch(tiny, mode):
     from tests.natsbus import nats_url
 
     p_engine, d_engine = _engines(tiny)
     bs, bb = p_engine.layout.block_size, p_engine.layout.block_bytes
     first = tiny.tokenizer.encode("You are a coding agent. Tools: read_file, run_tests. " * 4)
     with nats_url() as url:
-        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+        async with handoff_pair(url, p_engine, d_engine, _cfg(mode)) as h:
             out1, s1, err = await _turn(h, p_engine, "t1", first)
             assert err is None and out1 == _scratch(tiny, first) and s1.reused_blocks == 0
+            assert s1.mode == mode and s1.bytes == _sent_bytes(p_engine.layout, mode, len(first), 0)
             second = first + out1 + tiny.tokenizer.encode(" The tests pass. Next step?")
             out2, s2, err = await _turn(h, p_engine, "t2", second)
             assert err is None and out2 == _scratch(tiny, second)
             held = len(first) // bs  # the first prompt's full blocks; decode's own (the answer's) are never offered
             assert s2.reused_blocks == held
-            assert s2.bytes == (-(-len(second) // bs) - held) * bb  # whole blocks, only the missing ones
+            assert s2.bytes == _sent_bytes(p_engine.layout, mode, len(second), held)  # only the missing ones
             assert s2.bytes <= (len(second) - held * bs) * p_engine.layout.bytes_per_token + bb
             d = h.decode.load_report().detail
             assert d["reuse_grants"] == 1 and d["reused_blocks"] == held and d["reuse_mismatches"] == 0
@@ -159,13 +179,14 @@ async def test_the_next_turn_sends_only_what_decode_lacks_and_answers_as_from_sc
             assert err is None and out3 == _scratch(tiny, third) and s3.reused_blocks == len(second) // bs
 
 
-async def test_a_prompt_that_differs_from_the_matched_hashes_is_refused_and_the_retry_sends_everything(tiny):
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_prompt_that_differs_from_the_matched_hashes_is_refused_and_the_retry_sends_everything(tiny, mode):
     from tests.natsbus import nats_url
 
     p_engine, d_engine = _engines(tiny)
     first = tiny.tokenizer.encode("def handler(event):\n    return event['body']\n" * 4)
     with nats_url() as url:
-        async with handoff_pair(url, p_engine, d_engine, TransferConfig(timeout_s=20)) as h:
+        async with handoff_pair(url, p_engine, d_engine, _cfg(mode)) as h:
             out1, _, err = await _turn(h, p_engine, "m1", first)
             assert err is None
             second = first + out1 + tiny.tokenizer.encode(" again")
@@ -179,13 +200,16 @@ async def test_a_prompt_that_differs_from_the_matched_hashes_is_refused_and_the_
             assert d["reuse_mismatches"] == 1 and d["landing"] == 0
             out, s, err = await _turn(h, p_engine, "m3", second)  # the router's retry: those blocks are forgotten
             assert err is None and s.reused_blocks == 0 and out == _scratch(tiny, second)
+            assert s.bytes == _sent_bytes(p_engine.layout, mode, len(second), 0)
+            h.decode.engine.block_manager.check_integrity()
 
 
-async def test_an_evicted_prefix_or_reuse_turned_off_moves_the_whole_prompt(tiny):
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_evicted_prefix_or_reuse_turned_off_moves_the_whole_prompt(tiny, mode):
     from tests.natsbus import nats_url
 
     first = tiny.tokenizer.encode("An agent reads a file and then writes a test for it. " * 3)
-    for cfg in (TransferConfig(timeout_s=20, decode_reuse=False), TransferConfig(timeout_s=20)):
+    for cfg in (_cfg(mode, decode_reuse=False), _cfg(mode)):
         p_engine, d_engine = _engines(tiny, decode_blocks=24)
         with nats_url() as url:
             async with handoff_pair(url, p_engine, d_engine, cfg) as h:
@@ -196,7 +220,7 @@ async def test_an_evicted_prefix_or_reuse_turned_off_moves_the_whole_prompt(tiny
                     await _turn(h, p_engine, "e-other", other, hashes=False)
                 out2, s2, err = await _turn(h, p_engine, "e2", second)
                 assert err is None and s2.reused_blocks == 0 and out2 == _scratch(tiny, second)
-                assert s2.bytes == -(-len(second) // p_engine.layout.block_size) * p_engine.layout.block_bytes
+                assert s2.bytes == _sent_bytes(p_engine.layout, mode, len(second), 0)
 
 
 # ---------------------------------------------------------------- the whole system (`moorage up`)
@@ -210,8 +234,10 @@ def _handoffs(url: str) -> dict:
     return {k: d[k] for k in ("handoff_bytes", "handoffs_done", "handoff_reused_blocks")}
 
 
-def test_through_the_system_a_returning_turn_reuses_decode_s_blocks_and_a_decode_restart_falls_back(tiny, tmp_path):
-    """Real processes, tiny model, direct handoff over tcp: a session's second turn hands off only what decode
+@pytest.mark.parametrize("mode", MODES)
+def test_through_the_system_a_returning_turn_reuses_decode_s_blocks_and_a_decode_restart_falls_back(
+        tiny, tmp_path, mode):
+    """Real processes, tiny model, each handoff over tcp: a session's second turn hands off only what decode
     lacks and answers as from scratch; after decode-0 is killed (and restarted by `moorage up`) the next turn
     moves its whole prompt and is still right."""
     import time
@@ -243,7 +269,8 @@ def test_through_the_system_a_returning_turn_reuses_decode_s_blocks_and_a_decode
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
             "up.model=tiny", "up.port=0", f"up.nats_url={url}", f"up.run_dir={tmp_path / 'run'}", "up.pool=false",
-            "up.kv_memory=256MiB"], env={})
+            "up.kv_memory=256MiB", *(f"{role}.transfer.{k}={str(v).lower()}" for role in ("prefill", "decode")
+                                      for k, v in MODES[mode].items())], env={})
         with launched(cfg) as (launcher, base):
             out1 = ask(base, first)
             before = settled(url, 1)
@@ -254,6 +281,9 @@ def test_through_the_system_a_returning_turn_reuses_decode_s_blocks_and_a_decode
             assert after["handoff_reused_blocks"] - before["handoff_reused_blocks"] == len(first) // bs
             sent = after["handoff_bytes"] - before["handoff_bytes"]
             assert sent <= before["handoff_bytes"] * (-(-(len(second) - len(first)) // bs) + 1) / (-(-len(first) // bs))
+            layout = Engine(tiny, EngineConfig(num_blocks=8)).layout  # the services' own (same model, dtype)
+            assert before["handoff_bytes"] == _sent_bytes(layout, mode, len(first), 0)  # the mode it says
+            assert sent == _sent_bytes(layout, mode, len(second), len(first) // bs)
             launcher.procs["decode-0"].kill()  # `moorage up` restarts it: its retained blocks are gone
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:

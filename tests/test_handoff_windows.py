@@ -117,10 +117,10 @@ async def test_a_decode_that_answers_late_is_waited_for_or_asked_again(tiny):
             h.decode.zone._grant = slow_first
             take, taken = h.decode.zone.take_when_landed, []
 
-            async def slow_take(rid, *a):
-                taken.append(rid)
+            async def slow_take(msg, *a):
+                taken.append(msg.request_id)
                 await asyncio.sleep(1.0)  # the Ack comes after the requester's timeout
-                return await take(rid, *a)
+                return await take(msg, *a)
 
             h.decode.zone.take_when_landed = slow_take
             chunks, finished = await collect_chunks(h.p_bus, "r1")

@@ -33,7 +33,7 @@ import time
 import torch
 from opentelemetry.trace import Status, StatusCode
 
-from services.decode.landing import GRANT_HOLD_S, Landing, LandingZone
+from services.decode.landing import GRANT_HOLD_S, Landing, LandingZone, Refused, hold_prefix_then_allocate
 from shared.engine.block_manager import OutOfBlocks
 from shared.handoff_check import MISMATCH, checksum
 from shared.logging import get_logger
@@ -51,15 +51,9 @@ log = get_logger("decode.direct")
 INLINE_VERIFY_BYTES = 8 << 20
 
 
-class Refused(ValueError):
-    """HandoffDone's pages are malformed or failed their checksum: nothing of the request is adopted."""
-
-
 class DirectPages:
-    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True, register_pages: bool = True,
-                 reuse: bool = True):
+    def __init__(self, zone: LandingZone, transport: KVTransport, enabled: bool = True, register_pages: bool = True):
         self.zone, self.layout = zone, zone.layout
-        self.reuse_counters = {"reuse_grants": 0, "reused_blocks": 0, "reuse_mismatches": 0}
         pages = zone.engine.pages
         self.block_bytes = self.layout.block_bytes
         self.threads = max(1, min(4, torch.get_num_threads()))  # verifying a handoff's writes
@@ -69,7 +63,7 @@ class DirectPages:
                        "transfer.register_pages is false" if not register_pages else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
-        self.reuse = reuse and self.reason is None  # grant the prompt's leading blocks we hold (transfer.decode_reuse)
+        self.reuse = zone.reuse and self.reason is None  # grant the prompt's leading blocks we hold
         if self.reason is None:
             transport.register(pages[0])
             self._base = pages[0].data_ptr()
@@ -94,12 +88,13 @@ class DirectPages:
         deadline = time.monotonic() + GRANT_HOLD_S
         n_blocks = -(-msg.num_tokens // self.layout.block_size)
         # leading full blocks we may already hold; the last token's block is always written (at least one write)
-        hashes = msg.block_hashes[:(msg.num_tokens - 1) // self.layout.block_size] if self.reuse else []
+        hashes = zone.reusable(msg.block_hashes, msg.num_tokens) if self.reuse else []
         while rid not in zone.landings:
             if zone.is_cancelled(rid):
                 return PagesGrant(rid, error="request cancelled", fatal=True)
             try:
-                reused, blocks = await zone.loop.call(lambda: self._take(hashes, n_blocks))
+                reused, blocks = await zone.loop.call(
+                    lambda: hold_prefix_then_allocate(zone.engine.block_manager, hashes, n_blocks))
             except OutOfBlocks:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -111,9 +106,7 @@ class DirectPages:
                 continue
             zone.landings[rid] = Landing(reused + blocks, msg.num_tokens, len(blocks) * self.block_bytes,
                                          writes_over=False, writer=msg.prefill_instance, reused=len(reused))
-            if reused:
-                self.reuse_counters["reuse_grants"] += 1
-                self.reuse_counters["reused_blocks"] += len(reused)
+            zone.counted_reuse(len(reused))
             zone._spawn(zone._prefault(blocks))  # while prefill reads the grant and starts writing
         landing = zone.landings[rid]
         if landing.writes_over:  # a staged landing of the same id
@@ -122,19 +115,6 @@ class DirectPages:
         written = landing.blocks[landing.reused:]
         return PagesGrant(rid, zone.endpoint, [[self._base + b * self.block_bytes, n] for b, n in to_runs(written)],
                           self.block_bytes, reused=landing.reused)
-
-    def _take(self, hashes: list, n_blocks: int) -> tuple[list[int], list[int]]:
-        """Engine thread: (the blocks we hold of the prompt's leading `hashes`, one more owner each; new blocks
-        for the rest). The held ones are acquired before the allocation, which could otherwise evict them.
-        Raises OutOfBlocks with nothing taken."""
-        bm = self.zone.engine.block_manager
-        reused = bm.match_hashes(hashes)
-        bm.acquire(reused)
-        try:
-            return reused, bm.allocate(n_blocks - len(reused))
-        except OutOfBlocks:
-            bm.release(reversed(reused))
-            raise
 
     async def released(self, msg: PagesReleased, raw=None) -> Ack:
         """Acknowledged (prefill asks again until it is): a lost release would hold the blocks until expiry."""
@@ -224,27 +204,11 @@ class DirectPages:
             await zone.drop(rid)
             raise Refused(f"{MISMATCH} ({reason})")
         if landing.reused:
-            await self._check_reused(landing, msg)
+            await zone.check_reused(landing, msg)
         zone.checks.verified += len(msg.pages)
         landing.received_bytes = landing.total_bytes
         landing.settled.set()
         return zone.take(rid), timing
-
-    async def _check_reused(self, landing: Landing, msg: HandoffDone) -> None:
-        """The blocks we granted as already held must hold exactly this prompt's leading tokens (under its
-        tenant's namespace): else the request is refused (prefill fails it with a 503 that the router retries)
-        and those blocks leave our prefix index, so the retry moves the whole prompt."""
-        engine, held = self.zone.engine, landing.blocks[:landing.reused]
-        seed = engine.kv_namespace(msg.tenant).seed if msg.tenant else None
-        reason = await self.zone.loop.call(lambda: engine.block_manager.prefix_error(held, msg.prompt_ids, seed))
-        if reason is None:
-            return
-        self.reuse_counters["reuse_mismatches"] += 1
-        await self.zone.loop.call(lambda: engine.block_manager.unindex(held))
-        log.warning("retained prefix does not match the prompt: request failed, those blocks forgotten",
-                    request_id=msg.request_id, reason=reason)
-        await self.zone.drop(msg.request_id)
-        raise Refused(f"retained prefix mismatch ({reason})")
 
     def _consecutive_error(self, landing: Landing, msg: HandoffDone) -> str | None:
         for first, count, *_ in msg.pages:

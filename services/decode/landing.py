@@ -34,6 +34,13 @@ engine loop's `changed`, pulsed when a step may have freed blocks): prefill then
 instead of sleeping and polling. Grants are served concurrently (the subscription is `concurrent`), so a
 held one delays no other.
 
+Decode reuse (`transfer.decode_reuse`, the zone's `reuse`): a SlotRequest may carry the prompt's full blocks'
+chained hashes. The landing then takes the leading blocks decode still holds of them (acquired before the rest is
+allocated, which could otherwise evict them), and every SlotGrant says how many tokens that covers (`reused_tokens`):
+prefill sends only the bytes from there on. At HandoffDone those blocks must hold exactly the prompt's leading
+tokens (`check_reused`), else the request is refused and they leave the index, so the retry moves the whole
+prompt. The direct handoff (services/decode/direct.py) shares all of this.
+
 Tracing: each grant and each scatter is one span (`decode.slot_grant`, `decode.scatter`: one per round
 of the handoff), a child of prefill's `kv.handoff` through the message headers.
 """
@@ -51,12 +58,12 @@ from opentelemetry.trace import Status, StatusCode
 from kernels.cpu_prefault import prefault
 from kernels.cpu_kv import threads as copy_threads
 from shared.device_staging import KVStaging
-from shared.engine.block_manager import OutOfBlocks
+from shared.engine.block_manager import BlockManager, OutOfBlocks
 from shared.engine.engine import Engine
 from shared.engine.loop import EngineLoop
 from shared.handoff_check import MISMATCH, HandoffChecks, LandingFaults, Piece, Unverified, parse, verify
 from shared.logging import get_logger
-from shared.messages import Ack, SlotGrant, SlotRequest, SlotsFilled
+from shared.messages import Ack, HandoffDone, SlotGrant, SlotRequest, SlotsFilled
 from shared.tracing import extract_context, get_tracer
 from shared.transfer import LandingSlots
 
@@ -72,7 +79,7 @@ def _parent(raw):
 class Landing:
     blocks: list[int]
     num_tokens: int
-    total_bytes: int
+    total_bytes: int       # the bytes to land: staged, from first_byte on; direct, of the blocks written
     received: dict[int, int] = field(default_factory=dict)  # offset -> nbytes of pieces accepted (landing or landed)
     received_bytes: int = 0  # bytes verified and in the pages (or in `seams`)
     seams: dict[int, list] = field(default_factory=dict)  # token cut by a piece edge -> [bytes so far, uint8 buffer]
@@ -83,11 +90,30 @@ class Landing:
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every byte landed, or dropped
     checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
     writer: str = ""       # direct: the prefill instance writing into `blocks`
-    reused: int = 0        # direct: leading blocks of `blocks` we already held (decode reuse): nothing is written there
+    reused: int = 0        # leading blocks of `blocks` we already held (decode reuse): nothing is written there
+    first_byte: int = 0    # staged: where its bytes begin in the rank buffer (past the reused blocks' tokens)
     asks: dict[int, list] = field(default_factory=dict)  # staged: SlotRequest.ask -> the slots that ask was granted
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return any(offset < o + n and o < offset + nbytes for o, n in self.received.items())
+
+
+class Refused(ValueError):
+    """HandoffDone's KV cannot be adopted (malformed, failed its checksum, or the blocks held for it hold another
+    prefix): nothing of the request is adopted."""
+
+
+def hold_prefix_then_allocate(bm: BlockManager, hashes: list, n_blocks: int) -> tuple[list[int], list[int]]:
+    """Engine thread: (the blocks `bm` holds of the prompt's leading `hashes`, one more owner each; new blocks for
+    the rest). The held ones are acquired before the allocation, which could otherwise evict them. Raises
+    OutOfBlocks with nothing taken."""
+    reused = bm.match_hashes(hashes)
+    bm.acquire(reused)
+    try:
+        return reused, bm.allocate(n_blocks - len(reused))
+    except OutOfBlocks:
+        bm.release(reversed(reused))
+        raise
 
 
 _CANCELLED_MEMORY = 4096  # cancelled ids remembered, to refuse their late grants and adoptions
@@ -96,8 +122,11 @@ GRANT_HOLD_S = 1.0  # a grant short of room waits this long for some (well below
 
 class LandingZone:
     def __init__(self, engine: Engine, loop: EngineLoop, slots: LandingSlots, endpoint: str,
-                 faults: LandingFaults | None = None, copy_threads: int = 0, register_pages: bool = True):
+                 faults: LandingFaults | None = None, copy_threads: int = 0, register_pages: bool = True,
+                 reuse: bool = True):
         self.engine, self.loop, self.slots, self.endpoint = engine, loop, slots, endpoint
+        self.reuse = reuse  # grant the prompt's leading blocks we hold (transfer.decode_reuse), staged or direct
+        self.reuse_counters = {"reuse_grants": 0, "reused_blocks": 0, "reuse_mismatches": 0}
         self.copy_threads = copy_threads  # a scatter's threads (transfer.copy_threads; 0 = torch's)
         self.faults = faults or LandingFaults()
         self.checks = HandoffChecks()
@@ -158,29 +187,62 @@ class LandingZone:
             if msg.total_bytes != msg.num_tokens * self.token_bytes:
                 return SlotGrant(rid, error=f"KV layout mismatch: {msg.total_bytes} bytes for {msg.num_tokens} "
                                             f"tokens, expected {self.token_bytes} per token", fatal=True)
-            n_blocks = -(-msg.num_tokens // self.layout.block_size)
+            bs = self.layout.block_size
+            n_blocks = -(-msg.num_tokens // bs)
+            hashes = self.reusable(msg.block_hashes, msg.num_tokens) if msg.block_size == bs else []
             try:
-                blocks = await self.loop.call(lambda: self.engine.block_manager.allocate(n_blocks))
+                reused, blocks = await self.loop.call(
+                    lambda: hold_prefix_then_allocate(self.engine.block_manager, hashes, n_blocks))
             except OutOfBlocks:
                 return SlotGrant(rid, error="no free KV blocks yet")
             if rid in self.cancelled or rid in self.landings:  # cancelled, or a duplicate grant won, meanwhile
-                await self.loop.call(lambda: self.engine.block_manager.release(blocks))
+                await self.loop.call(lambda: self.engine.block_manager.release(reused + blocks))
                 if rid in self.cancelled:
                     return SlotGrant(rid, error="request cancelled", fatal=True)
             else:
-                self.landings[rid] = Landing(blocks, msg.num_tokens, msg.total_bytes)
+                skip = len(reused) * bs * self.token_bytes
+                self.landings[rid] = Landing(reused + blocks, msg.num_tokens, msg.total_bytes - skip,
+                                             reused=len(reused), first_byte=skip)
+                self.counted_reuse(len(reused))
                 self._spawn(self._prefault(blocks))  # while its bytes are on the wire (a no-op once warm)
             landing = self.landings[rid]
+        reused_tokens = landing.reused * self.layout.block_size
         landing.last_activity = time.monotonic()
         if msg.ask in landing.asks:  # our answer to this ask came too late for prefill (a busy host): the same
             held = self.slots.held_by(rid)  # slots again, none more (they stay lent until filled or dropped)
             again = [s for s in landing.asks[msg.ask] if s[0] in held]
             if again:
-                return SlotGrant(rid, self.endpoint, again)
+                return SlotGrant(rid, self.endpoint, again, reused_tokens=reused_tokens)
         granted = [[s.slot_id, s.addr, s.nbytes] for s in self.slots.acquire(max(0, msg.max_slots), owner=rid)]
         if msg.ask and granted:
             landing.asks[msg.ask] = granted
-        return SlotGrant(rid, self.endpoint, granted)
+        return SlotGrant(rid, self.endpoint, granted, reused_tokens=reused_tokens)
+
+    def reusable(self, block_hashes: list, num_tokens: int) -> list:
+        """The hashes a grant may match: the prompt's leading full blocks, never the last token's block (at least
+        one write: the request's last token); none when reuse is off."""
+        return block_hashes[:(num_tokens - 1) // self.layout.block_size] if self.reuse else []
+
+    def counted_reuse(self, reused: int) -> None:
+        if reused:
+            self.reuse_counters["reuse_grants"] += 1
+            self.reuse_counters["reused_blocks"] += reused
+
+    async def check_reused(self, landing: Landing, msg: HandoffDone) -> None:
+        """The blocks we granted as already held must hold exactly this prompt's leading tokens (under its
+        tenant's namespace): else the request is refused (prefill fails it with a 503 that the router retries)
+        and those blocks leave our prefix index, so the retry moves the whole prompt."""
+        engine, held = self.engine, landing.blocks[:landing.reused]
+        seed = engine.kv_namespace(msg.tenant).seed if msg.tenant else None
+        reason = await self.loop.call(lambda: engine.block_manager.prefix_error(held, msg.prompt_ids, seed))
+        if reason is None:
+            return
+        self.reuse_counters["reuse_mismatches"] += 1
+        await self.loop.call(lambda: engine.block_manager.unindex(held))
+        log.warning("retained prefix does not match the prompt: request failed, those blocks forgotten",
+                    request_id=msg.request_id, reason=reason)
+        await self.drop(msg.request_id)
+        raise Refused(f"retained prefix mismatch ({reason})")
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -251,7 +313,8 @@ class LandingZone:
     def _check_piece(self, rid: str, landing: Landing, piece: Piece) -> None:
         """A piece must be one of rid's slots, within the request's bytes, and overlap no other piece."""
         if piece.slot_id not in self.slots.held_by(rid) or not 0 < piece.nbytes <= self.slots.slot_bytes \
-                or piece.offset + piece.nbytes > landing.total_bytes or landing.overlaps(piece.offset, piece.nbytes):
+                or piece.offset < landing.first_byte or piece.offset + piece.nbytes > landing.first_byte + \
+                landing.total_bytes or landing.overlaps(piece.offset, piece.nbytes):
             raise ValueError(f"bad piece {piece.slot_id, piece.offset, piece.nbytes}")
 
     def _whole_tokens(self, piece: Piece) -> tuple[int, int]:
@@ -301,9 +364,11 @@ class LandingZone:
         await self.drop(rid)
         return Ack(rid, False, MISMATCH)
 
-    async def take_when_landed(self, rid: str, timeout_s: float = 30.0) -> Landing:
-        """`take`, once every byte of rid has landed (HandoffDone races the last SlotsFilled); raises like
-        `take` when the landing is unknown, was dropped meanwhile, or is still incomplete after timeout_s."""
+    async def take_when_landed(self, msg: HandoffDone, timeout_s: float = 30.0) -> Landing:
+        """`take`, once every byte of the request has landed (HandoffDone races the last SlotsFilled) and the
+        blocks it reused hold its prompt's prefix; raises like `take` when the landing is unknown, was dropped
+        meanwhile, or is still incomplete after timeout_s, and Refused when the prefix differs."""
+        rid = msg.request_id
         landing = self.landings.get(rid)
         if landing is None:
             raise KeyError(rid)
@@ -312,6 +377,8 @@ class LandingZone:
                 await asyncio.wait_for(landing.settled.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass  # take() says what is missing
+        if landing.reused and not landing.dropped and landing.received_bytes == landing.total_bytes:
+            await self.check_reused(landing, msg)
         return self.take(rid)
 
     def take(self, rid: str) -> Landing:

@@ -71,15 +71,14 @@ class Active:
 
 class DecodeService:
     def __init__(self, ctx: ServiceContext, engine: Engine, zone_factory, holdings_grace_s: float = 5.0,
-                 transport: KVTransport | None = None, direct: bool = False, register_pages: bool = True,
-                 reuse: bool = True):
+                 transport: KVTransport | None = None, direct: bool = False, register_pages: bool = True):
         self.ctx, self.bus, self.engine = ctx, ctx.bus, engine
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed)
         self.zone: LandingZone = zone_factory(self.loop)
         # the direct handoff: prefill writes into our pages (registered with `transport`) when `direct`
         self.direct = DirectPages(self.zone, transport, enabled=direct and transport is not None,
-                                  register_pages=register_pages, reuse=reuse)
+                                  register_pages=register_pages)
         self.active: dict[str, Active] = {}
         self.adopting: set[asyncio.Task] = set()  # acked handoffs the engine is taking
         self.sessions = SessionIndex()  # the prompt blocks each session alone has here (decode reuse): freed on close
@@ -96,7 +95,7 @@ class DecodeService:
                 landing, timing = await self.direct.land(msg)
                 stats.update(timing)
             else:
-                landing = await self.zone.take_when_landed(rid)  # prefill sends this with the last SlotsFilled
+                landing = await self.zone.take_when_landed(msg)  # prefill sends this with the last SlotsFilled
         except (KeyError, ValueError) as e:
             await self.zone.drop(rid)
             return Ack(rid, False, f"cannot adopt: {e}")
@@ -136,7 +135,7 @@ class DecodeService:
             span.end()
             return
         self.active[rid] = Active(len(msg.prompt_ids), msg.token_sources, span, time.monotonic(), msg.router)
-        if msg.session_id and self.direct.reuse:  # its prompt's blocks stay here after it ends: a close frees them
+        if msg.session_id and self.zone.reuse:  # its prompt's blocks stay here after it ends: a close frees them
             seed = self.engine.kv_namespace(msg.tenant).seed if msg.tenant else None
             blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, seed)
             self.sessions.record((msg.tenant, msg.session_id), SessionKV(tuple(blocks)))
@@ -244,7 +243,7 @@ class DecodeService:
                            "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
                            "unhealthy": unhealthy, "retained_blocks": e.block_manager.num_cached_blocks,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
-                           **self.direct.reuse_counters, **self.zone.checks.detail()})
+                           **self.zone.reuse_counters, **self.zone.checks.detail()})
 
     async def stop(self) -> None:
         await asyncio.gather(*self.adopting, return_exceptions=True)
@@ -265,9 +264,9 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.log.warning("fault injection on: corrupting landed KV", pieces=faults.corrupt_pieces)
     svc = DecodeService(ctx, engine, lambda loop: LandingZone(engine, loop, slots, transport.endpoint, faults,
                                                                    cfg.transfer.copy_threads,
-                                                                   cfg.transfer.register_pages),
-                        cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages,
-                        cfg.transfer.decode_reuse)
+                                                                   cfg.transfer.register_pages,
+                                                                   cfg.transfer.decode_reuse),
+                        cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room

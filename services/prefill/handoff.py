@@ -17,6 +17,11 @@ Pipeline (one task gathers, the caller's task writes, decode scatters):
   piece has landed, been verified and scattered (LandingZone.take_when_landed).
 The blocks stay owned by the handoff until it ends, however it ends.
 
+Decode reuse (`transfer.decode_reuse`): the SlotRequests carry the prompt's full blocks' hashes until decode has
+made the request's landing; its grants then say how many leading tokens it already holds (`reused_tokens`), and
+the windows are cut again from there before the first is gathered (none is gathered ahead of its credit until
+then): only the rest of the prompt is sent.
+
 Checksums: the thread that gathers a window also computes the CRC-32C of exactly the bytes it will
 write (shared/handoff_check.py); SlotsFilled carries one per piece and decode verifies each landed
 slot before scattering it. A mismatch comes back as a refused SlotsFilled: HandoffFailed, so the
@@ -102,7 +107,7 @@ class HandoffStats:
     grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
     done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify included; adoption follows it)
     early_grant: bool = False  # direct: the grant was asked for while the prompt's last step computed
-    reused_blocks: int = 0   # direct: leading blocks decode held already (decode reuse): not sent
+    reused_blocks: int = 0   # leading blocks decode held already (decode reuse): not sent
     mode: str = "slots"      # "slots": staged through landing slots; "direct": into decode's pages (direct.py)
     entry_bytes: list = field(default_factory=list)  # direct: the bytes of each span written
     extra: dict = field(default_factory=dict)
@@ -125,9 +130,12 @@ class _Run:
     request_id: str
     block_table: list[int]
     num_tokens: int
-    windows: list[tuple[int, int]]
+    windows: list[tuple[int, int]]  # (offset, nbytes) in the rank buffer; cut again once decode says what it holds
     deadline: float
     stats: HandoffStats
+    total_bytes: int                                 # the whole prompt's KV (what decode checks the layout by)
+    block_hashes: list = field(default_factory=list)  # the prompt's full blocks' (decode reuse); [] once granted
+    reused_tokens: int = 0                           # leading tokens decode holds: their bytes are not sent
     slots: list[list] = field(default_factory=list)  # granted, unused: [slot_id, addr, cap]
     endpoint: str = ""
     asking: asyncio.Task | None = None               # the SlotRequest in flight
@@ -135,10 +143,6 @@ class _Run:
     acks: list[asyncio.Task] = field(default_factory=list)
     written: int = 0                                 # windows written so far
     credited: int = 0                                # slots granted so far: windows [0, credited) have one
-
-    @property
-    def total(self) -> int:
-        return sum(n for _, n in self.windows)
 
 
 class HandoffSender:
@@ -150,6 +154,7 @@ class HandoffSender:
         self.token_bytes = layout.bytes_per_token  # one token, every layer, K and V (one decode rank)
         self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes + 2 * self.token_bytes,
                                    pages[0].device)
+        self.reuse = config.decode_reuse  # send the prompt's block hashes: decode may hold some
 
     def _gather(self, table: list[int], num_tokens: int, offset: int, nbytes: int, buf: torch.Tensor
                 ) -> tuple[torch.Tensor, int, float]:
@@ -166,9 +171,12 @@ class HandoffSender:
         return raw, crc, (time.perf_counter() - t) * 1e3
 
     async def _gatherer(self, run: _Run, out: asyncio.Queue) -> None:
-        """Gathers every window in order into free staging buffers (bounded by the pool)."""
-        for i, (offset, nbytes) in enumerate(run.windows):
-            b = await self.staging.take(lambda: i < run.credited)
+        """Gathers every window in order into free staging buffers (bounded by the pool), ahead of its credit
+        only once decode has said what it holds (decode reuse: the first grant may cut the windows again)."""
+        i = 0
+        while i < len(run.windows):
+            b = await self.staging.take(lambda: i < run.credited, lambda: not run.block_hashes)
+            offset, nbytes = run.windows[i]
             try:
                 t = time.perf_counter()
                 with tracer.start_as_current_span("kv.gather", attributes={"window": i, "bytes": nbytes}) as span:
@@ -181,14 +189,19 @@ class HandoffSender:
                 await self.staging.give_back([b])
                 raise
             await out.put(_Gathered(i, b, raw, offset, crc))
+            i += 1
 
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
-                   done: HandoffDone, done_context: otel_context.Context | None = None) -> HandoffStats:
+                   done: HandoffDone, done_context: otel_context.Context | None = None,
+                   block_hashes: list = ()) -> HandoffStats:
         """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over (the HandoffDone
-        carries `done_context` as its trace parent when given, else the current span)."""
-        run = _Run(decode, request_id, block_table, num_tokens,
-                   plan_writes(num_tokens * self.token_bytes, self.config.slot_bytes),
-                   time.monotonic() + self.config.timeout_s, HandoffStats())
+        carries `done_context` as its trace parent when given, else the current span). `block_hashes`: the
+        prompt's full blocks' (transfer.decode_reuse): decode may answer that it holds the leading ones, whose
+        tokens are then not sent."""
+        total = num_tokens * self.token_bytes
+        run = _Run(decode, request_id, block_table, num_tokens, plan_writes(total, self.config.slot_bytes),
+                   time.monotonic() + self.config.timeout_s, HandoffStats(), total,
+                   list(block_hashes) if self.reuse else [])
         gathered: asyncio.Queue[_Gathered] = asyncio.Queue()
         gatherer = asyncio.create_task(self._gatherer(run, gathered)) if run.windows else None
         held: list[_Gathered] = []  # gathered, not yet written: their staging buffers go back on failure
@@ -205,7 +218,8 @@ class HandoffSender:
                 await self._write(run, batch, last=run.written + len(batch) == len(run.windows))
                 if run.written < len(run.windows) and len(run.slots) < len(run.windows) - run.written:
                     self._ask(run)  # overlaps the next gathers and the write after them
-            done.handoff = {"bytes": run.stats.bytes, "writes": run.stats.writes, "rounds": run.stats.rounds}
+            done.handoff = {"bytes": run.stats.bytes, "writes": run.stats.writes, "rounds": run.stats.rounds,
+                            "reused_blocks": run.stats.reused_blocks}
             adopted = send_done(self.bus, decode, done, done_context, run.deadline)
             try:
                 for task in run.acks:
@@ -254,7 +268,8 @@ class HandoffSender:
         not never: after a bus timeout the same ask goes again (decode answers it with the same slots) until
         the handoff's deadline."""
         run.asks += 1
-        ask = SlotRequest(run.request_id, self.instance, run.total, run.num_tokens, want, ask=run.asks)
+        ask = SlotRequest(run.request_id, self.instance, run.total_bytes, run.num_tokens, want, ask=run.asks,
+                          block_hashes=run.block_hashes, block_size=self.layout.block_size)
         try:
             while True:
                 try:
@@ -266,12 +281,28 @@ class HandoffSender:
         finally:
             if run.asking is asyncio.current_task():
                 run.asking = None
+        if not grant.error:  # the landing is made, and what it reuses known: later asks need no hashes, and
+            if grant.reused_tokens != run.reused_tokens:  # windows may be gathered ahead of their credits
+                self._skip_reused(run, grant.reused_tokens)
+            run.block_hashes = []
+            self.staging.poke()
         if grant.slots:
             run.slots += grant.slots
             run.credited += len(grant.slots)
             run.endpoint = grant.endpoint
             self.staging.poke()
         return grant
+
+    def _skip_reused(self, run: _Run, tokens: int) -> None:
+        """Decode holds the prompt's first `tokens` already: cut the windows again from there. Only before any
+        window has a credit (the landing, and what it reuses, is made once, by the first grant that has one)."""
+        bs = self.layout.block_size
+        if run.credited or run.reused_tokens or not 0 < tokens < run.num_tokens or tokens % bs:
+            raise HandoffFailed(f"decode granted {tokens} reused tokens (of {run.num_tokens}) after "
+                                f"{run.reused_tokens}, with {run.credited} windows credited")
+        skip = tokens * self.token_bytes
+        run.windows[:] = [(skip + o, n) for o, n in plan_writes(run.total_bytes - skip, self.config.slot_bytes)]
+        run.reused_tokens, run.stats.reused_blocks = tokens, tokens // bs
 
     async def _credits(self, run: _Run) -> None:
         """Until at least one credit is held: await the grant in flight, asking again while decode is short."""

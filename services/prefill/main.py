@@ -68,6 +68,8 @@ class PrefillService:
                  holdings_grace_s: float = 5.0, direct: DirectSender | None = None):
         self.ctx, self.bus, self.engine, self.sender = ctx, ctx.bus, engine, sender
         self.direct = direct  # the direct handoff, tried first; the staged `sender` when a decode cannot take it
+        # transfer.decode_reuse: each handoff, direct or staged, names the prompt's blocks (decode may hold some)
+        self.send_hashes = (direct is not None and direct.reuse) or bool(getattr(sender, "reuse", False))
         self.assign_timeout_s = assign_timeout_s  # a submit without a decode waits this long for its DecodeAssign
         self.holdings_grace_s = holdings_grace_s  # a request its router's Holdings omit is ended once this old
         self.loop = EngineLoop(engine, self.on_outputs, on_failed=self.on_failed,
@@ -104,7 +106,7 @@ class PrefillService:
             return Ack(msg.request_id, False, str(e))
         p = self.pending[msg.request_id] = Pending(msg, self.bus.trace_context(raw))
         self._spawn(self._admit(p, params))  # ack now: a restore may take longer than the router waits
-        reuse = self.direct is not None and self.direct.reuse
+        reuse = self.send_hashes
         if msg.session_id or reuse:  # an 8K prompt hashes in 0.6 ms
             ns = self.engine.kv_namespace(msg.tenant)
             blocks = self.engine.block_manager.block_hashes(msg.prompt_ids, ns.seed if msg.tenant else None)
@@ -371,7 +373,7 @@ class PrefillService:
                     block_hashes=p.block_hashes)
                 if stats is None:  # that decode takes no direct writes
                     stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
-                                                  done_context=p.trace_ctx)
+                                                  done_context=p.trace_ctx, block_hashes=p.block_hashes)
             span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                  "mode": stats.mode, "early_grant": stats.early_grant, "gather_ms": stats.gather_ms,
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,

@@ -32,9 +32,10 @@ class StagingPool:
     def _speculation_ok(self) -> bool:
         return len(self._free) >= 2 and 2 * len(self._free) > len(self.buffers)
 
-    async def take(self, credited) -> int:
-        """A free buffer, for a window that has a slot (`credited()`) or may be gathered ahead."""
-        while not (self._free and (credited() or self._speculation_ok())):
+    async def take(self, credited, speculate=lambda: True) -> int:
+        """A free buffer, for a window that has a slot (`credited()`) or may be gathered ahead (`speculate()`:
+        its bytes are known to be sent)."""
+        while not (self._free and (credited() or (speculate() and self._speculation_ok()))):
             if self._changed is None or self._changed.done():
                 self._changed = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._changed)

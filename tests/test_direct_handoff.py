@@ -496,9 +496,9 @@ async def test_a_release_sent_while_decode_is_not_subscribed_reaches_it_once_it_
     got: list[str] = []
     try:
         await sender.release("decode-0", "r1")  # returns at once: nobody listens yet
-        assert len(sender._releasing) == 1
+        assert len(sender.releases.pending) == 1
         await asyncio.sleep(0.8)  # no responders: asked again meanwhile
-        assert got == [] and len(sender._releasing) == 1
+        assert got == [] and len(sender.releases.pending) == 1
 
         async def released(msg: PagesReleased, raw) -> Ack:
             got.append(msg.request_id)
@@ -506,14 +506,14 @@ async def test_a_release_sent_while_decode_is_not_subscribed_reaches_it_once_it_
 
         await decode_bus.subscribe(decode_bus.subjects.decode_pages_released("decode-0"), PagesReleased, released)
         for _ in range(100):
-            if not sender._releasing:
+            if not sender.releases.pending:
                 break
             await asyncio.sleep(0.05)
-        assert got == ["r1"] and not sender._releasing  # delivered, acknowledged, no longer asked
+        assert got == ["r1"] and not sender.releases.pending  # delivered, acknowledged, no longer asked
 
         await sender.release("decode-gone", "r2")  # nobody ever answers: stopping the service ends the asking
         await sender.close()
-        assert not sender._releasing
+        assert not sender.releases.pending
     finally:
         await prefill_bus.close()
         await decode_bus.close()

@@ -139,6 +139,43 @@ async def test_a_decode_that_answers_late_is_waited_for_or_asked_again(tiny):
             assert not h.decode.zone.landings and h.slots.num_free == cfg.slots
 
 
+async def test_a_failed_staged_handoff_frees_decode_s_landing_without_a_cancel(tiny):
+    """The write fails after decode made the landing (its blocks and slots taken). No Cancel is published here (as
+    when the bus restarted and lost it): prefill's acknowledged release alone frees them at once, not at expiry."""
+    from services.prefill.handoff import HandoffFailed
+    from tests.natsbus import nats_url
+
+    prompt = tiny.tokenizer.encode("a write that fails half way: " * 6)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    cfg = TransferConfig(slot_bytes=p_engine.layout.block_bytes, slots=6, max_slots_per_round=3, timeout_s=60,
+                         register_pages=False)
+    with nats_url() as url:
+        async with handoff_pair(url, p_engine, d_engine, cfg) as h:
+            free = d_engine.block_manager.num_free_blocks
+            seq = p_engine.add_request("f1", prompt, params, prefill_only=True, retain_kv=True)
+            while not p_engine.step():
+                pass
+            table = list(seq.block_table)
+
+            def failing_write(*a, **kw):
+                raise RuntimeError("transfer engine: peer unreachable")
+
+            h.sender.transport.write = failing_write
+            done = HandoffDone("f1", seq.prompt_ids, seq.output_ids, seq.output_text, params,
+                               {"device": 0, "store": 0, "computed": len(prompt)})
+            with pytest.raises((HandoffFailed, RuntimeError)):
+                await h.sender.send("decode-0", "f1", table, len(prompt), done)
+            p_engine.block_manager.release(reversed(table))
+            for _ in range(100):  # well under the 60 s expiry
+                if not h.decode.zone.landings and not h.sender.releases.pending:
+                    break
+                await asyncio.sleep(0.05)
+            assert not h.decode.zone.landings and not h.sender.releases.pending
+            assert d_engine.block_manager.num_free_blocks == free and h.slots.num_free == cfg.slots
+            assert h.decode.zone.is_cancelled("f1")  # a late grant or piece of it is refused
+
+
 # ---------------------------------------------------------------- LandingZone alone
 
 

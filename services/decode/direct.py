@@ -17,8 +17,9 @@ nothing to scatter: decode's pages are registered with its Transfer Engine once,
   once on a thread of their own, and `land` awaits those checks instead of checking them again (a head start:
   the verify overlaps the rest of the write). A write listed there that does not lie within the granted
   blocks is ignored; HandoffDone's tiling check refuses it.
-- `released` (PagesReleased): prefill's handoff ended without HandoffDone; the landing is dropped, and the
-  release acknowledged (prefill asks until it is: a bus restart must not leave the blocks held to expiry).
+- `released` (PagesReleased): prefill's handoff, direct or staged, ended without HandoffDone; the landing is
+  dropped, and the release acknowledged (prefill asks until it is: a bus restart must not leave the blocks held
+  to expiry).
 
 A granted landing is `writes_over = False` until HandoffDone or PagesReleased: dropped before that
 (cancel, expiry) its blocks wait in the zone's quarantine, so a late write never lands in blocks that

@@ -25,8 +25,8 @@ blocks are moved as they are:
 Replaces the staged path (services/prefill/handoff.py: gather into staging buffers, landing slots,
 scatter), which stays for decodes that answer `unsupported` and for transfer.direct = false.
 
-A handoff that fails or is cancelled after its grant publishes PagesReleased once its write thread has
-ended: decode keeps a dropped request's granted blocks out of use until then (or transfer.timeout_s), so
+A handoff that fails or is cancelled after its grant sends PagesReleased (asked until acknowledged,
+services/prefill/release.py) once its write thread has ended: decode keeps a dropped request's granted blocks out of use until then (or transfer.timeout_s), so
 a late write can never land in blocks another request has been given.
 
 Tracing: the caller's `kv.handoff` span is current; the write is one `kv.write` span, decode's grant a
@@ -47,18 +47,17 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from services.prefill.handoff import HandoffFailed, HandoffStats, _finish_thread, send_done
+from services.prefill.release import GrantReleases
 from shared.bus import Bus
 from shared.block_crcs import BlockCRCs
 from shared.device_staging import registrable
 from shared.kv_layout import KVLayout
-from shared.messages import Ack, HandoffDone, PagesGrant, PagesLanded, PagesReleased, PagesRequest
+from shared.messages import Ack, HandoffDone, PagesGrant, PagesLanded, PagesRequest
 from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig
 
 tracer = get_tracer("moorage.prefill.direct")
-RELEASE_ASK_S = 1.0  # one PagesReleased awaits decode's Ack this long
-RELEASE_RETRY_S, RELEASE_RETRY_MAX_S = 0.25, 2.0  # then asks again after this, doubling
 
 
 async def _settled(*tasks: asyncio.Future) -> None:
@@ -122,7 +121,7 @@ class DirectSender:
                 transport.register(p)
         self.crcs = BlockCRCs(pages, generation) if self.enabled else None
         self.reuse = self.enabled and config.decode_reuse  # send the prompt's block hashes: decode may hold some
-        self._releasing: set[asyncio.Future] = set()  # releases not yet acknowledged
+        self.releases = GrantReleases(bus, config.timeout_s)
 
     def pre_grant(self, decode: str, request_id: str, num_tokens: int,
                   context: otel_context.Context | None = None, block_hashes: list = ()) -> asyncio.Task | None:
@@ -141,33 +140,13 @@ class DirectSender:
         """Prefill writes nothing into the request's granted blocks (the request ended without `send`, or
         send failed): decode may give them to others. A release that overtakes the grant (`early`, still
         being asked for) is safe: decode then refuses or undoes it. Returns at once; the release is asked
-        until decode acknowledges it (`_release_acked`)."""
+        until decode acknowledges it (services/prefill/release.py)."""
         if early is not None:
             early.cancel()
-        task = asyncio.ensure_future(self._release_acked(decode, request_id))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-
-    async def _release_acked(self, decode: str, request_id: str) -> None:
-        """PagesReleased, asked again until decode answers or transfer.timeout_s passed (then decode's own
-        expiry has freed the blocks). A plain publish was lost when the bus restarted between the grant and
-        the release: decode, not yet subscribed again, held the blocks until that expiry."""
-        subject, deadline, pause = self.bus.subjects.decode_pages_released(decode), \
-            time.monotonic() + self.config.timeout_s, RELEASE_RETRY_S
-        while True:
-            try:
-                await self.bus.request(subject, PagesReleased(request_id), Ack, timeout=RELEASE_ASK_S)
-                return
-            except Exception:  # no responders (decode reconnecting, or gone) or no answer yet
-                if time.monotonic() + pause > deadline:
-                    return
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, RELEASE_RETRY_MAX_S)
+        self.releases.release(decode, request_id)
 
     async def close(self) -> None:
-        for task in list(self._releasing):
-            task.cancel()
-        await asyncio.gather(*self._releasing, return_exceptions=True)
+        await self.releases.close()
 
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
                    done: HandoffDone, done_context: otel_context.Context | None = None,

@@ -27,6 +27,10 @@ write (shared/handoff_check.py); SlotsFilled carries one per piece and decode ve
 slot before scattering it. A mismatch comes back as a refused SlotsFilled: HandoffFailed, so the
 request fails with a 503 (retried once by the router while the client has received nothing).
 
+A handoff that fails or is cancelled (after decode may have made its landing) sends PagesReleased, asked until
+decode acknowledges it (services/prefill/release.py): decode frees the landing at once, even when the bus
+restarted meanwhile; the request's Cancel alone was lost then, and the landing held until its expiry.
+
 Tracing: the caller's `kv.handoff` span is current; each write adds a `kv.write` span and each window a
 `kv.gather` span (never one per block or token), and decode's `decode.slot_grant` / `decode.scatter`
 spans join it through the NATS headers. HandoffDone goes out under `done_context` (the request's own
@@ -44,6 +48,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from kernels.cpu_kv import threads as copy_threads
+from services.prefill.release import GrantReleases
 from services.prefill.staging import StagingPool
 from shared.bus import Bus
 from shared.device_staging import KVStaging
@@ -155,6 +160,7 @@ class HandoffSender:
         self.staging = StagingPool(transport, max(1, config.slots), config.slot_bytes + 2 * self.token_bytes,
                                    pages[0].device)
         self.reuse = config.decode_reuse  # send the prompt's block hashes: decode may hold some
+        self.releases = GrantReleases(bus, config.timeout_s)  # a failed handoff's landing, freed at once
 
     def _gather(self, table: list[int], num_tokens: int, offset: int, nbytes: int, buf: torch.Tensor
                 ) -> tuple[torch.Tensor, int, float]:
@@ -205,6 +211,7 @@ class HandoffSender:
         gathered: asyncio.Queue[_Gathered] = asyncio.Queue()
         gatherer = asyncio.create_task(self._gatherer(run, gathered)) if run.windows else None
         held: list[_Gathered] = []  # gathered, not yet written: their staging buffers go back on failure
+        completed = False
         try:
             if run.windows:
                 self._ask(run)
@@ -230,8 +237,11 @@ class HandoffSender:
             ack = await adopted
             if not ack.ok:
                 raise HandoffFailed(f"decode refused the request: {ack.error}")
+            completed = True
             return run.stats
         finally:
+            if not completed:  # decode drops the landing (its blocks, slots) now, not at its expiry; the scatters
+                self.releases.release(decode, request_id)  # of pieces already sent finish first
             for task in (gatherer, run.asking, *run.acks):
                 if task is not None:
                     task.cancel()
@@ -241,6 +251,9 @@ class HandoffSender:
                 held.append(gathered.get_nowait())
             if held:
                 await self.staging.give_back([g.buffer for g in held])
+
+    async def close(self) -> None:
+        await self.releases.close()
 
     @staticmethod
     async def _next(gathered: asyncio.Queue, gatherer: asyncio.Task) -> _Gathered:

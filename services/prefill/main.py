@@ -491,5 +491,6 @@ async def serve(ctx: ServiceContext) -> None:
     ctx.load_report = svc.load_report
     ctx.on_stop.append(lambda: asyncio.to_thread(transport.close))  # hooks run last-added first
     ctx.on_stop.append(direct.close)
+    ctx.on_stop.append(sender.close)
     ctx.on_stop.append(events.stop)
     ctx.on_stop.append(svc.stop)

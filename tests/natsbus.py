@@ -41,13 +41,15 @@ def nats_url() -> Iterator[str]:
 
 
 async def latest_reports(nats: str, seconds: float = 1.3,
-                         enough: Callable[[dict], bool] = lambda seen: True) -> dict:
+                         enough: Callable[[dict], bool] = lambda seen: True, credential=None) -> dict:
     """The latest LoadReport of every instance heard within at least `seconds`, waiting up to 20 s more
-    until `enough(seen)` (a loaded box reports late)."""
+    until `enough(seen)` (a loaded box reports late). `credential`: the bus's user and password (the
+    embedded nats-server of `moorage up` has one)."""
     from shared.bus import Bus, BusConfig
     from shared.messages import LoadReport
 
-    bus = await Bus.connect(BusConfig(url=nats), "test-observer")
+    auth = {"user": credential.user, "password": credential.password} if credential is not None else {}
+    bus = await Bus.connect(BusConfig(url=nats, **auth), "test-observer")
     seen: dict = {}
 
     async def on_load(msg, raw):

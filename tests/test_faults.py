@@ -57,8 +57,12 @@ def test_fault_under_load(faults, fault: Fault):
     import dataclasses
 
     r = faults.run(fault)
-    row = dataclasses.asdict(r)
-    RESULTS.append(row)
+    RESULTS.append(dataclasses.asdict(r))
+    check_fault(r, fault)
+
+
+def check_fault(r, fault: Fault) -> None:
+    """What every fault must leave true (the module's docstring), for the result `r` of `fault`."""
     print(f"\n{fault.name}: in flight {r.in_flight}, errors ended by {r.error_end_s} s, new until success "
           f"{r.during}, first success {r.first_success_s} s, back {r.back_s} s, wrong {r.wrong_tokens} of "
           f"{r.compared} answers, leaks {r.leaks}, wall {r.wall_s} s {r.phases_s}")

@@ -211,7 +211,8 @@ class SlotRequest(Message):
     ask: int = 0  # this handoff's n-th ask (from 1): asked again after a bus timeout, decode answers the same n with
                   # the same slots instead of lending more (0: no such promise)
     block_hashes: list = msgspec.field(default_factory=list)  # as PagesRequest's (decode reuse): the leading blocks
-    block_size: int = 0  # of prefill's blocks, which those hashes chain: decode matches them only when its own is the same
+    block_size: int = 0  # of prefill's blocks, which those hashes chain: decode matches them only if its own is
+    #   the same
 
 
 @message("slot_grant")

@@ -343,12 +343,12 @@ class LandingZone:
     def _seam(self, landing: Landing, piece: Piece) -> None:
         """Event loop, after the piece verified: its bytes of tokens cut by its edges go to the seam
         buffers; a token whose bytes are then all there is scattered (one token, microseconds)."""
-        tb, (first, end) = self.token_bytes, self._whole_tokens(piece)
+        tb = self.token_bytes
         landed = self.slots.view(piece.slot_id, piece.nbytes)
         cut = {piece.offset // tb} if piece.offset % tb else set()
         if (piece.offset + piece.nbytes) % tb:
             cut.add((piece.offset + piece.nbytes) // tb)
-        for tok in sorted(cut):  # never one of the whole tokens [first, end)
+        for tok in sorted(cut):  # never one of the piece's whole tokens (_whole_tokens)
             lo, hi = max(piece.offset, tok * tb), min(piece.offset + piece.nbytes, (tok + 1) * tb)
             seam = landing.seams.setdefault(tok, [0, torch.empty(tb, dtype=torch.uint8)])
             seam[1][lo - tok * tb:hi - tok * tb] = landed[lo - piece.offset:hi - piece.offset]

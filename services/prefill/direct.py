@@ -26,8 +26,9 @@ Replaces the staged path (services/prefill/handoff.py: gather into staging buffe
 scatter), which stays for decodes that answer `unsupported` and for transfer.direct = false.
 
 A handoff that fails or is cancelled after its grant sends PagesReleased (asked until acknowledged,
-services/prefill/release.py) once its write thread has ended: decode keeps a dropped request's granted blocks out of use until then (or transfer.timeout_s), so
-a late write can never land in blocks another request has been given.
+services/prefill/release.py) once its write thread has ended: decode keeps a dropped request's granted
+blocks out of use until then (or transfer.timeout_s), so a late write can never land in blocks another
+request has been given.
 
 Tracing: the caller's `kv.handoff` span is current; the write is one `kv.write` span, decode's grant a
 `decode.page_grant` span; HandoffDone goes out under `done_context` like the staged path's.
@@ -52,7 +53,7 @@ from shared.bus import Bus
 from shared.block_crcs import BlockCRCs
 from shared.device_staging import registrable
 from shared.kv_layout import KVLayout
-from shared.messages import Ack, HandoffDone, PagesGrant, PagesLanded, PagesRequest
+from shared.messages import HandoffDone, PagesGrant, PagesLanded, PagesRequest
 from shared.page_writes import CHECK_BYTES, PageWrite, expand_runs, plan
 from shared.tracing import get_tracer
 from shared.transfer import KVTransport, TransferConfig

@@ -64,7 +64,6 @@ class DirectPages:
                        "transfer.register_pages is false" if not register_pages else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
-        self.reuse = zone.reuse and self.reason is None  # grant the prompt's leading blocks we hold
         if self.reason is None:
             transport.register(pages[0])
             self._base = pages[0].data_ptr()
@@ -89,7 +88,7 @@ class DirectPages:
         deadline = time.monotonic() + GRANT_HOLD_S
         n_blocks = -(-msg.num_tokens // self.layout.block_size)
         # leading full blocks we may already hold; the last token's block is always written (at least one write)
-        hashes = zone.reusable(msg.block_hashes, msg.num_tokens) if self.reuse else []
+        hashes = zone.reusable(msg.block_hashes, msg.num_tokens)
         while rid not in zone.landings:
             if zone.is_cancelled(rid):
                 return PagesGrant(rid, error="request cancelled", fatal=True)

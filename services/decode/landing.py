@@ -79,7 +79,8 @@ def _parent(raw):
 class Landing:
     blocks: list[int]
     num_tokens: int
-    total_bytes: int       # the bytes to land: staged, from first_byte on; direct, of the blocks written
+    total_bytes: int       # the bytes to land: staged, those of the tokens after the reused blocks; direct, of
+                           # the blocks written
     received: dict[int, int] = field(default_factory=dict)  # offset -> nbytes of pieces accepted (landing or landed)
     received_bytes: int = 0  # bytes verified and in the pages (or in `seams`)
     seams: dict[int, list] = field(default_factory=dict)  # token cut by a piece edge -> [bytes so far, uint8 buffer]
@@ -91,7 +92,6 @@ class Landing:
     checks: dict = field(default_factory=dict)  # direct, from PagesLanded: write (tuple) -> (its check task, index)
     writer: str = ""       # direct: the prefill instance writing into `blocks`
     reused: int = 0        # leading blocks of `blocks` we already held (decode reuse): nothing is written there
-    first_byte: int = 0    # staged: where its bytes begin in the rank buffer (past the reused blocks' tokens)
     asks: dict[int, list] = field(default_factory=dict)  # staged: SlotRequest.ask -> the slots that ask was granted
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
@@ -200,9 +200,8 @@ class LandingZone:
                 if rid in self.cancelled:
                     return SlotGrant(rid, error="request cancelled", fatal=True)
             else:
-                skip = len(reused) * bs * self.token_bytes
-                self.landings[rid] = Landing(reused + blocks, msg.num_tokens, msg.total_bytes - skip,
-                                             reused=len(reused), first_byte=skip)
+                self.landings[rid] = Landing(reused + blocks, msg.num_tokens,
+                                             msg.total_bytes - len(reused) * bs * self.token_bytes, reused=len(reused))
                 self.counted_reuse(len(reused))
                 self._spawn(self._prefault(blocks))  # while its bytes are on the wire (a no-op once warm)
             landing = self.landings[rid]
@@ -312,9 +311,10 @@ class LandingZone:
 
     def _check_piece(self, rid: str, landing: Landing, piece: Piece) -> None:
         """A piece must be one of rid's slots, within the request's bytes, and overlap no other piece."""
+        first = landing.reused * self.layout.block_size * self.token_bytes  # the reused blocks' bytes are not sent
         if piece.slot_id not in self.slots.held_by(rid) or not 0 < piece.nbytes <= self.slots.slot_bytes \
-                or piece.offset < landing.first_byte or piece.offset + piece.nbytes > landing.first_byte + \
-                landing.total_bytes or landing.overlaps(piece.offset, piece.nbytes):
+                or piece.offset < first or piece.offset + piece.nbytes > first + landing.total_bytes \
+                or landing.overlaps(piece.offset, piece.nbytes):
             raise ValueError(f"bad piece {piece.slot_id, piece.offset, piece.nbytes}")
 
     def _whole_tokens(self, piece: Piece) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from opentelemetry.trace import Status, StatusCode
@@ -243,7 +243,8 @@ class DecodeService:
                            "preemptions": e.stats.preemptions, "failed_steps": self.loop.failed_steps,
                            "unhealthy": unhealthy, "retained_blocks": e.block_manager.num_cached_blocks,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
-                           **self.zone.reuse_counters, **self.zone.checks.detail()})
+                           **self.zone.reuse_counters, **self.zone.checks.detail(),
+                           **({"decode_graphs": asdict(e.runner.graphs.stats)} if e.runner.graphs else {})})
 
     async def stop(self) -> None:
         await asyncio.gather(*self.adopting, return_exceptions=True)

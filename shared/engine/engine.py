@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.guide import GuideError, Guides
 from shared.engine.kv_sizing import parse_memory, size_kv
 from shared.engine.page_warmer import PageWarmer
@@ -58,6 +59,7 @@ class EngineConfig:
     tenant_salt: str = ""             # mixed into the KV namespace: tenants never share KV
     chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
+    cuda_graphs: bool = False         # decode steps replayed from CUDA graphs, per (batch, table width) bucket (shared/engine/decode_graphs.py); on CPU the same padded batches run eagerly
     kv_warm_ahead: str = "512MiB"     # CPU: keep this much KV (a size, or a share of the pool: "10%") beyond the blocks used so far resident, faulted in by a native thread at nice 19 (idle CPU); "0" = off (first writes then page-fault)
 
     def __post_init__(self) -> None:
@@ -116,7 +118,8 @@ class Engine:
         self.config = cfg = replace(cfg, num_blocks=self.kv_sizing.num_blocks)
         log.info("kv cache", blocks=cfg.num_blocks, tokens=self.kv_sizing.tokens(self.layout.block_size),
                  gib=round(self.kv_sizing.bytes / (1 << 30), 3), sized_by=self.kv_sizing.how)
-        self.pages = allocate_pages(self.layout, cfg.num_blocks, cfg.device)
+        # decode graphs: one page past the block manager's for the padded rows (see decode_graphs.py)
+        self.pages = allocate_pages(self.layout, cfg.num_blocks + (1 if cfg.cuda_graphs else 0), cfg.device)
         self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size, namespace_seed(self.namespace),
                                           on_kv_event, int(cfg.num_blocks * cfg.retained_fraction))
         block_bytes = self.layout.block_size * self.layout.bytes_per_token
@@ -124,7 +127,9 @@ class Engine:
         self.block_manager.on_allocate = self.page_warmer.allocated
         self.scheduler = Scheduler(self.block_manager, cfg.max_batched_tokens, cfg.max_num_seqs,
                                    cfg.enable_prefix_cache, SchedulePolicy.from_config(cfg))
-        self.runner = ModelRunner(self.model, self.pages, self.layout.block_size)
+        graphs = DecodeGraphs(self.model, self.pages, self.layout.block_size, cfg.num_blocks, cfg.max_num_seqs,
+                              mc.max_context) if cfg.cuda_graphs else None
+        self.runner = ModelRunner(self.model, self.pages, self.layout.block_size, graphs)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.guides = Guides(self.tokenizer, mc.vocab_size)  # constrained decoding (llguidance, built on first use)

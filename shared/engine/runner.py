@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 from shared.engine.attention import AttentionBatch, PrefillSegment
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.model import LlamaModel
 from shared.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pages: list[torch.Tensor], block_size: int):
-        self.model, self.pages, self.block_size = model, pages, block_size
+    def __init__(self, model: LlamaModel, pages: list[torch.Tensor], block_size: int,
+                 graphs: DecodeGraphs | None = None):
+        self.model, self.pages, self.block_size, self.graphs = model, pages, block_size, graphs
         self.device = model.device
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -41,7 +43,12 @@ class ModelRunner:
         else:
             lens = [seq.num_computed + 1 for seq in batch.seqs]
             width = max(-(-n // B) for n in lens)
-            tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in batch.seqs]
+            tables = [seq.block_table[:width] for seq in batch.seqs]
+            if self.graphs is not None and len(samplers) == len(batch.seqs):
+                logits = self.graphs.run(ids, positions, blocks, offsets, tables, lens)
+                if logits is not None:
+                    return samplers, logits
+            tables = [t + [0] * (width - len(t)) for t in tables]
             attn.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
             attn.decode_ctx_lens = self._tensor(lens)
         # a prefill's last layer runs only the rows that sample; every decode row samples

@@ -129,6 +129,52 @@ def test_engine_throughput_on_device(checkpoint, report):
     assert figures["triton"] > 0
 
 
+def _decode_step_ms(engine: Engine, vocab: int, batch: int, steps: int = 24) -> float:
+    for i, p in enumerate(oracle.prompts(vocab, (512,) * batch, seed=11)):
+        engine.add_request(f"t{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    while any(s.num_computed < len(s.prompt_ids) for s in engine.sequences.values()):
+        engine.step()
+    engine.step()  # the first decode step of a bucket records its graph
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    while engine.sequences:
+        engine.step()
+        n += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_the_eager_decode(checkpoint, dtype, report):
+    """engine.cuda_graphs: decode replayed from graphs gives the tokens of the same padded batches run eagerly
+    (the same kernels on the same shapes), batches shrinking 7 -> 1 through four buckets; in fp32 also the
+    tokens of unpadded eager decode and of transformers. Then the decode step's time, graphs against eager."""
+    shape, model, path = checkpoint
+    vocab = oracle.SHAPES[shape]["vocab_size"]
+    prompts = oracle.prompts(vocab, (7, 100, 700, 33, 250, 64, 400), seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(7)]
+    out = {}
+    for mode in ("eager", "padded", "graphs"):
+        engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=mode != "eager")
+        if mode == "padded":
+            engine.runner.graphs.record = False
+        out[mode] = [s.output_ids for s in engine.generate(prompts, params)]
+        if mode == "graphs":
+            stats = engine.runner.graphs.stats
+    ms = {}
+    for graphs in (False, True):
+        engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=graphs)
+        ms[graphs] = [_decode_step_ms(engine, vocab, b) for b in (1, 8)]
+    parts = [_first_divergence(a, b) for a, b in zip(out["graphs"], out["eager"])]
+    report(model=shape, dtype=dtype, recorded=stats.recorded, replays=stats.replays,
+           identical_to_padded_eager=out["graphs"] == out["padded"], agree_with_eager_until=parts,
+           step_ms_b1=f"{ms[False][0]:.2f}->{ms[True][0]:.2f}", step_ms_b8=f"{ms[False][1]:.2f}->{ms[True][1]:.2f}")
+    assert stats.recorded >= 4 and stats.replays > 40 and stats.eager == 0
+    assert out["graphs"] == out["padded"]
+    if dtype == "float32":  # eager fp32 decode equals transformers (test_greedy_fp32_equals_transformers_on_device)
+        assert out["graphs"] == out["eager"]
+
+
 def test_kernel_registry_on_device(report):
     report(attention=get_attention_kernels("cuda").name, kv=get_kv_kernels("cuda").name,
            device=torch.cuda.get_device_name(0))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import threading
+import time
 
 import pytest
 import torch
@@ -309,8 +310,8 @@ async def test_a_handoff_cancelled_mid_write_frees_decode_blocks_only_once_the_w
             with pytest.raises(asyncio.CancelledError):
                 await send
             p_engine.block_manager.release(reversed(table))
-            deadline = asyncio.get_running_loop().time() + 10
-            while zone.quarantine and asyncio.get_running_loop().time() < deadline:  # PagesReleased on the bus
+            deadline = time.monotonic() + 10
+            while zone.quarantine and time.monotonic() < deadline:  # PagesReleased on the bus
                 await asyncio.sleep(0.02)
             assert not zone.quarantine and not zone.landings
             assert await h.decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
@@ -347,6 +348,42 @@ async def test_a_dropped_grant_keeps_its_blocks_until_prefill_says_its_writes_ar
         async with running_decode(engine) as decode:
             decode.direct = DirectPages(decode.zone, te, enabled=True)
             await _dropped_grants(decode, engine)
+
+
+async def test_an_abandoned_landing_expires_at_its_deadline_and_its_request_gets_a_503(tiny):
+    """decode's expiry task sleeps until the idlest landing's deadline (`LandingZone.next_expiry`), not by a
+    tick: a landing nobody writes is dropped once `transfer.timeout_s` has passed since its grant, never before,
+    its blocks come back and its request ends in a 503; a landing still written to is kept."""
+    from types import SimpleNamespace
+
+    timeout = 0.6
+    engine = Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    with KVTransport() as te:
+        async with running_decode(engine) as decode:
+            decode.direct = DirectPages(decode.zone, te, enabled=True)
+            decode.ctx.config = SimpleNamespace(transfer=SimpleNamespace(timeout_s=timeout))
+            decode.ctx.stop = asyncio.Event()
+            zone, layout = decode.zone, engine.layout
+            assert zone.next_expiry(timeout) - time.monotonic() == pytest.approx(timeout, abs=0.05)
+            expiry = asyncio.create_task(decode.expire_landings())
+            await asyncio.sleep(0.3)  # the task sleeps for a whole timeout from its start: no landing existed
+            t0 = time.monotonic()
+            await decode.direct.grant(PagesRequest("idle", "prefill-0", 40, layout.block_layout))
+            await decode.direct.grant(PagesRequest("busy", "prefill-0", 20, layout.block_layout))
+            assert zone.next_expiry(timeout) == pytest.approx(zone.landings["idle"].last_activity + timeout)
+            while "idle" in zone.landings:
+                zone.landings["busy"].last_activity = time.monotonic()  # being written
+                await asyncio.sleep(0.02)
+            waited = time.monotonic() - t0
+            errors = [m for _, m in decode.bus.published if getattr(m, "request_id", "") == "idle" and m.error]
+            # a task that slept a whole timeout from each wake would drop it 0.3 s after its deadline
+            assert timeout <= waited < timeout + 0.25 and "busy" in zone.landings
+            assert errors and errors[0].error["status"] == 503 and "timed out" in errors[0].error["message"]
+            decode.ctx.stop.set()
+            await asyncio.wait_for(expiry, 2)
+            await zone.drop("busy")
+            await zone.expire(0.0)
+            assert await decode.loop.call(lambda: engine.block_manager.num_free_blocks) == NUM_BLOCKS
 
 
 async def _dropped_grants(decode, engine: Engine) -> None:

@@ -448,6 +448,12 @@ class LandingZone:
             await self.writes_ended(rid)
         return stale
 
+    def next_expiry(self, timeout_s: float) -> float:
+        """When (monotonic) `expire(timeout_s)` may next drop something: the idlest landing's deadline, else
+        `timeout_s` from now (a landing made later expires later than that)."""
+        idle = [l.last_activity for l in (*self.landings.values(), *self.quarantine.values())]
+        return min(idle, default=time.monotonic()) + timeout_s
+
     @property
     def reserved_tokens(self) -> int:
         return sum(len(l.blocks) for l in (*self.landings.values(), *self.quarantine.values())) * self.layout.block_size

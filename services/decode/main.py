@@ -229,8 +229,9 @@ class DecodeService:
                 with contextlib.suppress(Exception):
                     await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
                         rid, [], "", True, "error", None, error_info(503, "KV handoff timed out")))
+            wait = max(0.01, self.zone.next_expiry(timeout) - time.monotonic())  # a deadline, not a tick
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.ctx.stop.wait(), timeout=min(1.0, timeout / 4))
+                await asyncio.wait_for(self.ctx.stop.wait(), timeout=wait)
 
     def load_report(self) -> LoadReport:
         e = self.engine

@@ -9,9 +9,6 @@ from shared.engine.decode_graphs import DecodeGraphs, batch_buckets, width_bucke
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 
-MODELS = ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)]
-
-
 def test_buckets():
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
     assert batch_buckets(30) == [1, 2, 4, 8, 16, 24, 32]
@@ -39,15 +36,17 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     return [base[: 5 + 37 * i] for i in range(n)]
 
 
-@pytest.mark.parametrize("model", MODELS, indirect=True)
-def test_greedy_is_identical_through_padded_static_batches(model):
+@pytest.mark.parametrize("model,stages", [("tiny", 1), ("tiny", 2), pytest.param("smollm2", 1, marks=pytest.mark.slow)],
+                         indirect=["model"])
+def test_greedy_is_identical_through_padded_static_batches(model, stages):
     """Seven sequences of different lengths ending at different steps: the batch shrinks 7 -> 1 through the
-    buckets 8, 4, 2 and 1, and a bucket's rows that held a sequence one step are padding the next."""
+    buckets 8, 4, 2 and 1, and a bucket's rows that held a sequence one step are padding the next; with the KV
+    split into two pipeline stages too (the scratch block is in each stage's pages)."""
     prompts = _prompts(model.tokenizer, 7)
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(7)]
     outs = {}
     for graphs in (False, True):
-        engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=8, cuda_graphs=graphs))
+        engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=8, stages=stages, cuda_graphs=graphs))
         outs[graphs] = [s.output_ids for s in engine.generate(prompts, params)]
         engine.block_manager.check_integrity()
     assert outs[True] == outs[False]

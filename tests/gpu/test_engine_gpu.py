@@ -108,33 +108,24 @@ def test_engine_throughput_on_device(checkpoint, report):
     engine.generate(long_prompt, params1)
     torch.cuda.synchronize()
     prefill_tps = 4096 / (time.perf_counter() - t0)
-    figures = {}
+    ms = {}
     for backend in ("triton", "reference"):
         engine.model.attention = get_attention_kernels("cuda") if backend == "triton" else attention_reference
-        prompts = oracle.prompts(vocab, (2048,) * 32, seed=9)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{backend}-{i}", p, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True))
-        while any(s.num_computed < len(s.prompt_ids) for s in engine.sequences.values()):
-            engine.step()
-        torch.cuda.synchronize()
-        t0, steps = time.perf_counter(), 0
-        while engine.sequences:
-            engine.step()
-            steps += 1
-        torch.cuda.synchronize()
-        figures[backend] = (time.perf_counter() - t0) / steps
-    report(model=shape, prefill_tok_s=round(prefill_tps), decode_step_ms_triton=round(figures["triton"] * 1e3, 2),
-           decode_step_ms_reference=round(figures["reference"] * 1e3, 2),
-           decode_tok_s_triton=round(32 / figures["triton"]))
-    assert figures["triton"] > 0
+        ms[backend] = _decode_step_ms(engine, oracle.prompts(vocab, (2048,) * 32, seed=9), 32)
+    report(model=shape, prefill_tok_s=round(prefill_tps), decode_step_ms_triton=round(ms["triton"], 2),
+           decode_step_ms_reference=round(ms["reference"], 2), decode_tok_s_triton=round(32e3 / ms["triton"]))
+    assert ms["triton"] > 0
 
 
-def _decode_step_ms(engine: Engine, vocab: int, batch: int, steps: int = 24) -> float:
-    for i, p in enumerate(oracle.prompts(vocab, (512,) * batch, seed=11)):
-        engine.add_request(f"t{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+def _decode_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
+    """The mean time of `steps` decode steps of these prompts together, after their prefill and one decode step
+    (which records a CUDA graph's bucket, with engine.cuda_graphs)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"t{len(prompts)}-{i}", p, SamplingParams(temperature=0, max_tokens=steps + 2,
+                                                                      ignore_eos=True))
     while any(s.num_computed < len(s.prompt_ids) for s in engine.sequences.values()):
         engine.step()
-    engine.step()  # the first decode step of a bucket records its graph
+    engine.step()
     torch.cuda.synchronize()
     t0, n = time.perf_counter(), 0
     while engine.sequences:
@@ -164,7 +155,7 @@ def test_cuda_graphs_replay_the_eager_decode(checkpoint, dtype, report):
     ms = {}
     for graphs in (False, True):
         engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=graphs)
-        ms[graphs] = [_decode_step_ms(engine, vocab, b) for b in (1, 8)]
+        ms[graphs] = [_decode_step_ms(engine, oracle.prompts(vocab, (512,) * b, seed=11), 24) for b in (1, 8)]
     parts = [_first_divergence(a, b) for a, b in zip(out["graphs"], out["eager"])]
     report(model=shape, dtype=dtype, recorded=stats.recorded, replays=stats.replays,
            identical_to_padded_eager=out["graphs"] == out["padded"], agree_with_eager_until=parts,

@@ -17,9 +17,9 @@ import asyncio
 from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.messages import Cancel, DecodeAssign, PrefillSubmit
+from shared.messages import Cancel, DecodeAssign, HandoffDone, PrefillSubmit
 from shared.transfer import TransferConfig
-from tests.decode_zone import handoff_pair, service_ctx
+from tests.decode_zone import collect_chunks, handoff_pair, service_ctx
 
 NUM_BLOCKS = 32
 
@@ -42,6 +42,7 @@ class _Direct:
     """Records what the prefill service asks of its DirectSender (pure logic: no bus, no engine)."""
 
     reuse = False
+    enabled = True
 
     def __init__(self):
         self.asked, self.released = [], []
@@ -54,9 +55,11 @@ class _Direct:
         self.released.append((decode, rid))
 
 
-async def _service(tiny, *requests: tuple[str, str, int]) -> tuple[PrefillService, _Direct]:
+async def _service(tiny, *requests: tuple[str, str, int], sender=None) -> tuple[PrefillService, _Direct]:
     engine, direct = Engine(tiny, EngineConfig(num_blocks=64)), _Direct()
-    svc = PrefillService(service_ctx("prefill"), engine, sender=None, direct=direct)
+    if sender is not None:  # this prefill's pages take no direct writes: the staged sender asks early
+        direct.enabled = False
+    svc = PrefillService(service_ctx("prefill"), engine, sender=sender, direct=direct)
     for rid, decode, max_tokens in requests:
         params = SamplingParams(max_tokens=max_tokens)
         seq = engine.add_request(rid, [1, 2, 3], params, prefill_only=True, retain_kv=True)
@@ -85,6 +88,91 @@ async def test_a_grant_the_handoff_never_took_goes_back_however_the_request_ends
     finally:
         await svc.loop.stop()
     assert sorted(direct.released) == [("decode-0", "cancelled"), ("decode-0", "failed")] and not svc.pending
+
+
+async def test_without_direct_writes_the_staged_sender_asks_early_and_gets_back_what_no_handoff_took(tiny):
+    sender = _Direct()
+    svc, direct = await _service(tiny, ("a", "decode-0", 8), ("b", "", 8), ("one", "decode-0", 1), sender=sender)
+    svc.on_prefill_ending(["a", "b", "one"])
+    await svc.on_assign(DecodeAssign("b", "decode-1"), None)
+    assert sender.asked == [("decode-0", "a", 3), ("decode-1", "b", 3)] and direct.asked == []
+    svc.loop.start()
+    try:
+        await svc.on_cancel(Cancel("a", "client closed"), None)
+        await svc.on_failed(["b"], "engine step failed")
+        await asyncio.gather(*svc.tasks)
+    finally:
+        await svc.loop.stop()
+    assert sorted(sender.released) == [("decode-0", "a"), ("decode-1", "b")] and not direct.released
+
+
+async def test_a_staged_handoff_with_early_slots_lands_what_prefill_computed_and_sends_only_what_decode_lacks(tiny):
+    """The staged path (pages not registered, as a GPU's): slots asked for before the handoff starts, granted while
+    the prompt's last step computes, are the handoff's first; on the next turn the early grant also says what
+    decode holds, so the windows are cut past it before any is gathered."""
+    from tests.natsbus import nats_url
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = tiny.tokenizer.encode("landing slots granted before the handoff: " * 4)
+    p_engine, d_engine = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=NUM_BLOCKS))
+    layout = p_engine.layout
+
+    def scratch(prompt):
+        return Engine(tiny, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)[0]
+
+    with nats_url() as url:
+        cfg = TransferConfig(timeout_s=20, register_pages=False, slot_bytes=2 * layout.block_bytes, slots=4,
+                             max_slots_per_round=2)  # two blocks a slot: several windows, asked for in rounds
+        async with handoff_pair(url, p_engine, d_engine, cfg) as h:
+            assert not h.direct.enabled
+
+            async def turn(rid, prompt):
+                chunks, finished = await collect_chunks(h.p_bus, rid)
+                early = h.sender.pre_grant("decode-0", rid, len(prompt),
+                                           block_hashes=p_engine.block_manager.block_hashes(prompt))
+                seq = p_engine.add_request(rid, prompt, params, prefill_only=True, retain_kv=True)
+                while not p_engine.step():
+                    pass
+                while not early.slots:  # granted before the handoff starts
+                    await asyncio.sleep(0.01)
+                assert rid in h.decode.zone.landings and early.asks == 1 and len(early.slots) == 1  # one held
+                done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, params,
+                                   {"device": 0, "store": 0, "computed": len(prompt)})
+                table = list(seq.block_table)
+                try:
+                    stats = await h.sender.send("decode-0", rid, table, len(prompt), done, early=early)
+                finally:
+                    p_engine.block_manager.release(reversed(table))
+                assert early.written == len(early.windows) > 0  # the handoff was the early run itself
+                await asyncio.wait_for(finished.wait(), 30)
+                assert not any(c.error for c in chunks)
+                return done.output_ids + [t for c in chunks for t in c.token_ids], stats
+
+            out1, s1 = await turn("e1", first)
+            assert out1 == scratch(first).output_ids and s1.early_grant and s1.mode == "slots" and s1.writes > 4
+            assert s1.bytes == len(first) * layout.bytes_per_token and s1.reused_blocks == 0
+            second = first + out1 + tiny.tokenizer.encode(" and the next turn")
+            out2, s2 = await turn("e2", second)
+            held = len(first) // layout.block_size
+            assert out2 == scratch(second).output_ids and s2.early_grant and s2.reused_blocks == held
+            assert s2.bytes == (len(second) - held * layout.block_size) * layout.bytes_per_token
+
+            # a request that ends without its handoff gives the slots back, also when the release overtakes the ask
+            done_early = h.sender.pre_grant("decode-0", "ended", len(first))
+            while not done_early.slots:
+                await asyncio.sleep(0.01)
+            await h.sender.release("decode-0", "ended", done_early)
+            racing = h.sender.pre_grant("decode-0", "raced", len(first))
+            await h.sender.release("decode-0", "raced", racing)
+            zone = h.decode.zone
+
+            async def settled() -> None:  # both releases handled: no landing, none quarantined, every slot back
+                while zone.landings or zone.quarantine or not zone.is_cancelled("raced") \
+                        or h.slots.num_free != h.slots.num_slots:
+                    await h.decode.loop.changed(0.1)
+
+            await asyncio.wait_for(settled(), 10)
+            assert await h.decode.loop.call(lambda: d_engine.block_manager.num_free_blocks) == NUM_BLOCKS
 
 
 async def test_a_handoff_with_an_early_grant_lands_what_prefill_computed_and_a_stale_one_is_renewed(tiny):

@@ -8,7 +8,9 @@ buffer one slot plus two tokens long, and the write starts at the window's first
 tokens cut by a window edge (services/decode/landing.py).
 
 Pipeline (one task gathers, the caller's task writes, decode scatters):
-- the first SlotRequest goes out at once and the first windows are gathered while it is answered;
+- the first SlotRequest goes out at once, or earlier (`pre_grant`, for one slot while the prompt's last step
+  computes: the landing, and what decode holds of the prompt, are then known when the handoff starts), and the
+  first windows are gathered while it is answered;
 - the gatherer runs ahead into free staging buffers while a write is in progress;
 - each write sends every gathered window it holds credits for (one batched call), then a SlotsFilled
   whose ack (decode's scatter) is awaited later, at most two rounds behind;
@@ -111,7 +113,7 @@ class HandoffStats:
     verified_early: int = 0  # direct: writes decode checked on PagesLanded, beside the rest of the write
     grant_ms: float = 0.0    # direct: asking decode for its blocks (the PagesRequest round trip)
     done_ms: float = 0.0     # direct: HandoffDone until decode's Ack (its verify included; adoption follows it)
-    early_grant: bool = False  # direct: the grant was asked for while the prompt's last step computed
+    early_grant: bool = False  # the grant (direct), first slots (staged), asked while the prompt's last step computed
     reused_blocks: int = 0   # leading blocks decode held already (decode reuse): not sent
     mode: str = "slots"      # "slots": staged through landing slots; "direct": into decode's pages (direct.py)
     entry_bytes: list = field(default_factory=list)  # direct: the bytes of each span written
@@ -197,17 +199,55 @@ class HandoffSender:
             await out.put(_Gathered(i, b, raw, offset, crc))
             i += 1
 
+    def _new_run(self, decode: str, request_id: str, num_tokens: int, block_hashes: list) -> _Run:
+        total = num_tokens * self.token_bytes
+        return _Run(decode, request_id, [], num_tokens, plan_writes(total, self.config.slot_bytes),
+                    time.monotonic() + self.config.timeout_s, HandoffStats(), total,
+                    list(block_hashes) if self.reuse else [])
+
+    def pre_grant(self, decode: str, request_id: str, num_tokens: int,
+                  context: otel_context.Context | None = None, block_hashes: list = ()) -> _Run | None:
+        """Ask `decode` for the request's first landing slot now (`context`: the ask's trace parent): the landing
+        is made, and what decode holds of the prompt known, before the handoff starts; one slot only, as other
+        handoffs to that decode may need the rest meanwhile. Give the run to `send(early=...)`, or to `release` if
+        the request ends without a handoff. The handoff's deadline counts from now."""
+        run = self._new_run(decode, request_id, num_tokens, block_hashes)
+        if not run.windows:
+            return None
+        token = otel_context.attach(context) if context is not None else None
+        try:  # the task copies the current context; one slot: held while the step computes, not more
+            self._ask(run, most=1)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        run.asking.add_done_callback(lambda t: t.cancelled() or t.exception())  # send() asks again if it failed
+        run.stats.early_grant = True
+        return run
+
+    async def release(self, decode: str, request_id: str, early: _Run | None = None) -> None:
+        """Prefill sends nothing for this request (it ended without `send`): decode drops its landing. A
+        release that overtakes the slot request itself is safe: decode then refuses or undoes the landing.
+        Returns at once; the release is asked until decode acknowledges it (services/prefill/release.py)."""
+        if early is not None and early.asking is not None:
+            early.asking.cancel()
+        self.releases.release(decode, request_id)
+
     async def send(self, decode: str, request_id: str, block_table: list[int], num_tokens: int,
                    done: HandoffDone, done_context: otel_context.Context | None = None,
-                   block_hashes: list = ()) -> HandoffStats:
+                   block_hashes: list = (), early: _Run | None = None) -> HandoffStats:
         """Moves KV of tokens [0, num_tokens) to `decode`, then hands the request over (the HandoffDone
         carries `done_context` as its trace parent when given, else the current span). `block_hashes`: the
         prompt's full blocks' (transfer.decode_reuse): decode may answer that it holds the leading ones, whose
-        tokens are then not sent."""
-        total = num_tokens * self.token_bytes
-        run = _Run(decode, request_id, block_table, num_tokens, plan_writes(total, self.config.slot_bytes),
-                   time.monotonic() + self.config.timeout_s, HandoffStats(), total,
-                   list(block_hashes) if self.reuse else [])
+        tokens are then not sent. `early`: this request's `pre_grant` run (send owns it from here)."""
+        if early is None:
+            run = self._new_run(decode, request_id, num_tokens, block_hashes)
+        elif (early.decode, early.request_id, early.num_tokens) != (decode, request_id, num_tokens):
+            await self.release(early.decode, early.request_id, early)
+            raise HandoffFailed(f"early slots were asked for {early.request_id} at {early.decode} "
+                                f"({early.num_tokens} tokens)")
+        else:
+            run = early
+        run.block_table = block_table
         gathered: asyncio.Queue[_Gathered] = asyncio.Queue()
         gatherer = asyncio.create_task(self._gatherer(run, gathered)) if run.windows else None
         held: list[_Gathered] = []  # gathered, not yet written: their staging buffers go back on failure
@@ -266,12 +306,12 @@ class HandoffSender:
         gatherer.result()  # raises its error
         raise HandoffFailed("gatherer ended early")
 
-    def _ask(self, run: _Run) -> None:
-        """Ask decode for credits, unless a request is already in flight; its slots are recorded as soon
-        as the grant arrives, so the gatherer can use them while we write."""
+    def _ask(self, run: _Run, most: int = 0) -> None:
+        """Ask decode for credits (at most `most`, when given), unless a request is already in flight; its slots
+        are recorded as soon as the grant arrives, so the gatherer can use them while we write."""
         if run.asking is not None:
             return
-        want = min(self.config.max_slots_per_round, len(run.windows) - run.written - len(run.slots),
+        want = min(most or self.config.max_slots_per_round, len(run.windows) - run.written - len(run.slots),
                    len(self.staging.buffers))
         if want > 0:
             run.asking = asyncio.create_task(self._request_slots(run, want))

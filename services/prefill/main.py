@@ -46,7 +46,8 @@ class Pending:
     decode: str = ""                     # where the KV goes: the submit's decode instance, or a DecodeAssign's
     assigned: asyncio.Event = field(default_factory=asyncio.Event)  # set once `decode` is known
     finishing: bool = False              # the engine runs (or ran) the step that completes its prompt
-    grant: asyncio.Task | None = None    # decode's pages, asked for early (DirectSender.pre_grant)
+    grant: object | None = None          # decode's pages or first slots, asked for early (the senders' pre_grant)
+    grant_by: object | None = None       # the sender that asked: its send() takes the grant, or its release()
     grant_asked_ns: int = 0              # when (time.time_ns, the engine's clock): see kv.handoff grant_lead_ms
     block_hashes: list = field(default_factory=list)  # the prompt's full blocks' (its tenant's namespace): decode reuse
     since: float = field(default_factory=time.monotonic)  # when it was submitted (its router's Holdings)
@@ -218,11 +219,21 @@ class PrefillService:
                 self._pre_grant(p)
 
     def _pre_grant(self, p: Pending) -> None:
-        if (self.direct is not None and p.decode and p.grant is None and not p.handoff_started
-                and p.seq is not None and p.seq.params.max_tokens > 1):  # else it ends here: no handoff
-            p.grant = self.direct.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx,
-                                            p.block_hashes)
-            p.grant_asked_ns = time.time_ns() if p.grant is not None else 0
+        """The direct handoff's grant when this prefill writes into decode's pages, else the staged handoff's
+        first slots."""
+        if (not p.decode or p.grant is not None or p.handoff_started or p.seq is None
+                or p.seq.params.max_tokens <= 1):  # the last: it ends here, no handoff
+            return
+        by = self.direct if self.direct is not None and self.direct.enabled else self.sender
+        if by is None:
+            return
+        p.grant = by.pre_grant(p.decode, p.submit.request_id, len(p.submit.prompt_ids), p.trace_ctx, p.block_hashes)
+        p.grant_by = by if p.grant is not None else None
+        p.grant_asked_ns = time.time_ns() if p.grant is not None else 0
+
+    def _give_back(self, p: Pending, grant) -> None:
+        """An early grant no send() took goes back to its decode."""
+        self._spawn(p.grant_by.release(p.decode, p.submit.request_id, grant))
 
     def handing_off(self) -> bool:
         """Whether a request's KV is on its way to a decode (it leaves `pending` before the handoff's release
@@ -234,7 +245,7 @@ class PrefillService:
         p = self.pending.pop(rid, None)
         if p is not None and p.grant is not None:
             grant, p.grant = p.grant, None
-            self._spawn(self.direct.release(p.decode, rid, grant))
+            self._give_back(p, grant)
         return p
 
     async def _decode_of(self, p: Pending) -> str:
@@ -353,7 +364,7 @@ class PrefillService:
     async def _handoff(self, p: Pending, sources: dict) -> None:
         p.handoff_started = True
         seq, rid = p.seq, p.seq.request_id
-        early, p.grant = p.grant, None  # this handoff's now: direct.send uses it, or the finally gives it back
+        early, p.grant = p.grant, None  # this handoff's now: its sender's send uses it, or the finally gives it back
         table = list(seq.block_table)
         done = HandoffDone(rid, seq.prompt_ids, seq.output_ids, seq.output_text, seq.params, sources,
                            router=p.submit.router, priority=p.submit.priority, tenant=p.submit.tenant,
@@ -368,12 +379,13 @@ class PrefillService:
                 "request_id": rid, "tokens": len(seq.prompt_ids), "decode_instance": decode})
             with trace.use_span(span, end_on_exit=False):  # decode.generate: under router.request (done_context)
                 grant, early = early, None  # send owns it, however it ends
-                stats = None if self.direct is None else await self.direct.send(
+                staged = grant if p.grant_by is self.sender else None
+                stats = None if self.direct is None or staged is not None else await self.direct.send(
                     decode, rid, table, len(seq.prompt_ids), done, done_context=p.trace_ctx, early=grant,
                     block_hashes=p.block_hashes)
-                if stats is None:  # that decode takes no direct writes
+                if stats is None:  # this prefill's pages or that decode take no direct writes
                     stats = await self.sender.send(decode, rid, table, len(seq.prompt_ids), done,
-                                                  done_context=p.trace_ctx, block_hashes=p.block_hashes)
+                                                  done_context=p.trace_ctx, block_hashes=p.block_hashes, early=staged)
             span.set_attributes({"bytes": stats.bytes, "writes": stats.writes, "rounds": stats.rounds,
                                  "mode": stats.mode, "early_grant": stats.early_grant, "gather_ms": stats.gather_ms,
                                  "write_ms": stats.write_ms, "scatter_ms": stats.scatter_ms, "crc_ms": stats.crc_ms,
@@ -400,7 +412,7 @@ class PrefillService:
             if span is not None:
                 span.end()
             if early is not None:  # never reached send
-                self._spawn(self.direct.release(p.decode, rid, early))
+                self._give_back(p, early)
             self._end(rid)
             with contextlib.suppress(EngineLoopDead):  # a dead engine's blocks matter no more
                 await self.loop.call_now(lambda: self.engine.block_manager.release(reversed(table)))
@@ -421,7 +433,8 @@ class PrefillService:
         return LoadReport(self.ctx.instance, "prefill", unhealthy is None, e.kv_capacity_tokens,
                           e.block_manager.num_free_blocks * e.layout.block_size, len(e.scheduler.running),
                           len(e.scheduler.waiting), queued, self.sender.transport.endpoint,
-                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals, "prompt_tokens": dict(self.prompt_tokens),
+                          {"handoffs": sum(p.handoff is not None for p in self.pending.values()), **self.handoff_totals,
+                           "prompt_tokens": dict(self.prompt_tokens),
                            "kv_namespace": e.namespace, "block_size": e.layout.block_size,
                            "pool": {**self.pool.counters, **(self.prefetch.counters if self.prefetch else {}),
                                     **(self.pool.disk.counters if self.pool.disk else {})}

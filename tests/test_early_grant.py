@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.prefill.main import Pending, PrefillService
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
@@ -77,9 +79,17 @@ async def test_the_service_asks_once_the_decode_is_known_and_never_for_a_request
     assert len(direct.asked) == 2  # one grant per request
 
 
-async def test_a_grant_the_handoff_never_took_goes_back_however_the_request_ends(tiny):
-    svc, direct = await _service(tiny, ("cancelled", "decode-0", 8), ("failed", "decode-0", 8))
-    svc.on_prefill_ending(["cancelled", "failed"])
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+async def test_a_grant_the_handoff_never_took_goes_back_however_the_request_ends(tiny, staged):
+    """The direct sender asks while this prefill's pages take direct writes; else (a GPU's, unregistered) the staged
+    sender asks for its first slot. Either way, what no handoff took goes back to the decode it was asked of."""
+    sender = _Direct() if staged else None
+    svc, direct = await _service(tiny, ("cancelled", "decode-0", 8), ("failed", "", 8), ("one", "decode-0", 1),
+                                 sender=sender)
+    asker = sender or direct
+    svc.on_prefill_ending(["cancelled", "failed", "one"])
+    await svc.on_assign(DecodeAssign("failed", "decode-1"), None)
+    assert asker.asked == [("decode-0", "cancelled", 3), ("decode-1", "failed", 3)]
     svc.loop.start()
     try:
         await svc.on_cancel(Cancel("cancelled", "client closed"), None)
@@ -87,23 +97,10 @@ async def test_a_grant_the_handoff_never_took_goes_back_however_the_request_ends
         await asyncio.gather(*svc.tasks)
     finally:
         await svc.loop.stop()
-    assert sorted(direct.released) == [("decode-0", "cancelled"), ("decode-0", "failed")] and not svc.pending
-
-
-async def test_without_direct_writes_the_staged_sender_asks_early_and_gets_back_what_no_handoff_took(tiny):
-    sender = _Direct()
-    svc, direct = await _service(tiny, ("a", "decode-0", 8), ("b", "", 8), ("one", "decode-0", 1), sender=sender)
-    svc.on_prefill_ending(["a", "b", "one"])
-    await svc.on_assign(DecodeAssign("b", "decode-1"), None)
-    assert sender.asked == [("decode-0", "a", 3), ("decode-1", "b", 3)] and direct.asked == []
-    svc.loop.start()
-    try:
-        await svc.on_cancel(Cancel("a", "client closed"), None)
-        await svc.on_failed(["b"], "engine step failed")
-        await asyncio.gather(*svc.tasks)
-    finally:
-        await svc.loop.stop()
-    assert sorted(sender.released) == [("decode-0", "a"), ("decode-1", "b")] and not direct.released
+    assert sorted(asker.released) == [("decode-0", "cancelled"), ("decode-1", "failed")]
+    assert list(svc.pending) == ["one"]  # never asked: it ends at prefill
+    if staged:
+        assert direct.asked == [] and direct.released == []
 
 
 async def test_a_staged_handoff_with_early_slots_lands_what_prefill_computed_and_sends_only_what_decode_lacks(tiny):

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env up test test-fast test-gpu bench
+.PHONY: env up test test-fast test-gpu gpu-kit bench
 env:
 	@bash infra/dev-env.sh
 
@@ -20,6 +20,11 @@ test-fast: env
 test-gpu: env
 	MOORAGE_GPU_TESTS=1 $(PY) -m pytest tests/gpu -p no:cacheprovider
 	MOORAGE_GPU_TESTS=1 $(PY) -m bench.attention_device --out bench/results/attention-device.json
+
+# What the check needs on a lent device machine that reaches no network (.devcarry/, carried by the device tool;
+# there: python3 -m infra.device_kit run). See infra/device_kit.py.
+gpu-kit: env
+	$(PY) -m infra.device_kit build
 
 bench: env
 	$(PY) -m bench.engine --out bench/results/engine.json

@@ -72,6 +72,9 @@ class DecodeGraphs:
         self.sizes = batch_buckets(max_batch)
         self.max_width = width_bucket(-(-max_context // block_size))
         self.record = self.device.type == "cuda"
+        if not self.record:
+            log.warning("engine.cuda_graphs on a device without CUDA graphs: decode steps run padded batches "
+                        "eagerly, for nothing but tests", device=str(self.device))
         self.pool = torch.cuda.graph_pool_handle() if self.record else None
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.stats = GraphStats()

@@ -42,7 +42,8 @@ tokens (`check_reused`), else the request is refused and they leave the index, s
 prompt. The direct handoff (services/decode/direct.py) shares all of this.
 
 Tracing: each grant and each scatter is one span (`decode.slot_grant`, `decode.scatter`: one per round
-of the handoff), a child of prefill's `kv.handoff` through the message headers.
+of the handoff), a child of prefill's `kv.handoff` through the message headers; the first grant, asked for
+while the prompt's last step computes (before kv.handoff begins), is a child of the request's span.
 """
 
 from __future__ import annotations

@@ -151,7 +151,8 @@ def run() -> int:
                     f"[shutil.copy(f, p) for f in pathlib.Path('{KIT / 'smollm2-tokenizer'}').iterdir()]"],
                    check=True, env=env)
     env["MOORAGE_GPU_MODEL"] = str(model)
-    rc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-q"], env=env).returncode
+    rc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-q"],
+                        env=env).returncode
     subprocess.run([sys.executable, "-m", "bench.attention_device", "--out", str(out / "attention-device.json")],
                    env=env)
     return rc

@@ -6,8 +6,8 @@ request's router.request span, carried in HandoffDone's headers), with the token
 time and inter-token gap stats as attributes: never a span per token. The handoff adds
 `decode.page_grant` (the direct handoff, services/decode/direct.py: usually asked for during prefill's
 compute, a child of router.request then) or the landing zone's `decode.slot_grant` / `decode.scatter`
-spans (the staged one; its first slot grant is asked for during prefill's compute likewise). A handoff is acked as soon as its KV is verified and ours; the engine adopts the
-request right after (`_adopt`).
+spans (the staged one; its first slot grant is asked for during prefill's compute likewise). A handoff is
+acked as soon as its KV is verified and ours; the engine adopts the request right after (`_adopt`).
 """
 
 from __future__ import annotations

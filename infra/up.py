@@ -4,7 +4,7 @@ Starts a nats-server (unless `up.nats_url` names one), then the KV pool (a maste
 `mooncake_master` and `up.stores` store services, "the two halves of the host"), the gate, decode,
 `up.prefills` prefill instances and the router, each `moorage serve <role> --config
 <run_dir>/<instance>.toml`: the one entry point compose and systemd use too, with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
-stops everything in reverse order. Once ready, a service (or the nats-server) that crashes is restarted
+stops everything in reverse order, in the waves of STOP_WAVES. Once ready, a service (or the nats-server) that crashes is restarted
 with backoff while the others keep serving (`up.restart`, like systemd's Restart=on-failure). Children
 get PDEATHSIG, so none outlives a killed launcher, and the next start cleans up what such a launcher left
 in the run directory. The embedded nats-server requires a user/password made for this run
@@ -53,6 +53,10 @@ CLI_MODULE = "infra.cli"  # `python -m CLI_MODULE serve ROLE`: `moorage serve` w
 READY_ROLES = ("gate", "prefill", "decode")  # the roles the router's /health lists by instance
 
 NATS_CHILD = "nats-server"  # the embedded bus, supervised like the services
+# Roles stopped together, in reverse start order (the nats-server last, alone): what a later wave serves, an
+# earlier one may still use as it stops (prefill's last pool saves need the stores; a store unmounts its
+# segment through its master). The engines stop together, then the gate with the stores.
+STOP_WAVES = {"router": 0, "prefill": 1, "decode": 1, "gate": 2, "store": 2, "master": 3}
 
 
 @dataclass
@@ -197,7 +201,8 @@ class Launcher:
         self._say = say or (lambda line: print(f"moorage: {line}", flush=True))
         self.supervisor = Supervisor(
             RestartPolicy(up.restart, up.restart_backoff_s, up.restart_backoff_max_s, up.restart_reset_s),
-            say=self._event, on_change=lambda _: self._write_state(), on_exit=self._exited)
+            say=self._event, on_change=lambda _: self._write_state(), on_exit=self._exited,
+            stop_wave=lambda name: STOP_WAVES.get(self.roles.get(name, name), name))
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:

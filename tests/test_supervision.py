@@ -101,6 +101,44 @@ def test_a_clean_exit_is_not_restarted_and_a_start_up_crash_is_reported():
         sup.stop(5)
 
 
+def test_stop_takes_a_wave_at_a_time_in_reverse_start_order(tmp_path):
+    """Children in the same stop wave get SIGTERM together, and the next wave only once all of them exited:
+    each child logs the SIGTERM, lingers 0.5 s and logs its exit, so a stop one child at a time would put an
+    exit between the two engines' SIGTERMs."""
+    log = tmp_path / "log"
+    child = ("import os, signal, sys, time\n"
+             "name, log = sys.argv[1], sys.argv[2]\n"
+             "def say(w):\n"
+             "    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)\n"
+             "    os.write(fd, f'{w} {name}\\n'.encode())\n"
+             "    os.close(fd)\n"
+             "def term(*_):\n"
+             "    say('term')\n"
+             "    time.sleep(0.5)\n"
+             "    say('exit')\n"
+             "    sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, term)\n"
+             "say('ready')\n"
+             "time.sleep(600)\n")
+    waves = {"master": 2, "prefill": 1, "decode": 1, "router": 0}
+    sup = Supervisor(FAST, stop_wave=lambda name: waves[name])
+    try:
+        for name in waves:  # start order: master first, router last
+            sup.add(name, lambda name=name: subprocess.Popen([sys.executable, "-c", child, name, str(log)]))
+        deadline = time.monotonic() + 30
+        while not log.exists() or log.read_text().count("ready") < 4:
+            assert time.monotonic() < deadline, "children did not start"
+            time.sleep(0.05)
+    finally:
+        sup.stop(10)
+    lines = [x for x in log.read_text().splitlines() if not x.startswith("ready")]
+    assert lines[:2] == ["term router", "exit router"]
+    assert sorted(lines[2:4]) == ["term decode", "term prefill"]  # together: neither exited before both heard it
+    assert sorted(lines[4:6]) == ["exit decode", "exit prefill"]
+    assert lines[6:] == ["term master", "exit master"]  # after the whole wave before it
+    assert all(c.process.returncode == 0 for c in sup.children.values())
+
+
 def test_children_die_with_the_supervisor_thread_owner(tmp_path):
     """PR_SET_PDEATHSIG set by a child spawned on the supervisor thread: the process that runs the supervisor,
     killed with kill -9, takes the child along (the thread that spawned it lived until then)."""

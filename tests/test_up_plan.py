@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.up import UpConfig, plan
+from infra.up import STOP_WAVES, UpConfig, plan
 from shared.config import ConfigError, load_config
 
 
@@ -21,6 +21,16 @@ def test_default_is_one_group_with_a_two_store_pool():
     master = t["master-0"][1].master
     assert t["prefill-0"][1].pool.enabled and t["prefill-0"][1].pool.master_addr.endswith(f":{master.rpc_port}")
     assert all(c.bus.url == "nats://127.0.0.1:1" for _, c in t.values())
+
+
+def test_every_role_stops_in_a_wave_that_follows_start_order_backwards():
+    """The launcher stops in STOP_WAVES' waves, in reverse start order: every role has one, and the waves
+    never go backwards along that order (a later wave would stop a role that an earlier one had started
+    after, e.g. the stores before the prefill that saves to them)."""
+    t = topology("up.groups=2", "up.stores=2", "up.prefills=2", "up.pool_mode=split")
+    waves = [STOP_WAVES[svc] for svc, _ in reversed(t.values())]
+    assert waves == sorted(waves) and waves[0] == STOP_WAVES["router"] < STOP_WAVES["store"] < STOP_WAVES["master"]
+    assert STOP_WAVES["prefill"] < STOP_WAVES["store"]  # prefill's last pool saves reach the stores
 
 
 def test_shared_pool_across_groups():

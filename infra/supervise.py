@@ -13,8 +13,8 @@ keep running either way. Every such exit is reported to `on_exit` the moment wai
 launcher announces it on the bus: infra/exits.py).
 
 `stop()` stops the children in reverse start order, in waves: consecutive children (in that order) whose
-`stop_wave` is the same are sent SIGTERM together and waited for together, so a system of eight processes
-stops in the time of its slowest wave each, not of all of them one after the other.
+`stop_wave` is the same are sent SIGTERM together and waited for together, so stopping takes the sum of each
+wave's slowest child, not of every child.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Starts a nats-server (unless `up.nats_url` names one), then the KV pool (a master supervising
 `mooncake_master` and `up.stores` store services, "the two halves of the host"), the gate, decode,
 `up.prefills` prefill instances and the router, each `moorage serve <role> --config
-<run_dir>/<instance>.toml`: the one entry point compose and systemd use too, with other files. Prints the URL once /health answers 200, and on Ctrl-C/SIGTERM
-stops everything in reverse order, in the waves of STOP_WAVES. Once ready, a service (or the nats-server) that crashes is restarted
+<run_dir>/<instance>.toml`: the one entry point compose and systemd use too, with other files. Prints the
+URL once /health answers 200, and on Ctrl-C/SIGTERM stops everything in reverse order, a wave of STOP_WAVES
+at a time. Once ready, a service (or the nats-server) that crashes is restarted
 with backoff while the others keep serving (`up.restart`, like systemd's Restart=on-failure). Children
 get PDEATHSIG, so none outlives a killed launcher, and the next start cleans up what such a launcher left
 in the run directory. The embedded nats-server requires a user/password made for this run

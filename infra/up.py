@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -356,6 +357,28 @@ def launched(cfg: UpConfig) -> Iterator[tuple[Launcher, str]]:
         yield launcher, url
     finally:
         launcher.stop()
+
+
+@contextlib.contextmanager
+def launched_side_by_side(cfgs: dict[str, UpConfig]) -> Iterator[dict[str, tuple[Launcher, str]]]:
+    """Several systems on one host (a comparison run side by side): {name: (launcher, router URL)} once every
+    one reported ready. All are started before any is waited for, so their start-ups overlap, and on exit
+    all stop at once, one thread each."""
+    launchers: dict[str, Launcher] = {}
+    try:
+        urls = {}
+        for name, cfg in cfgs.items():
+            launchers[name] = Launcher(cfg)
+            urls[name] = launchers[name].start()
+        for name, launcher in launchers.items():
+            launcher.wait_ready(urls[name])
+        yield {name: (launcher, urls[name]) for name, launcher in launchers.items()}
+    finally:
+        stopping = [threading.Thread(target=launcher.stop, name=f"stop-{name}") for name, launcher in launchers.items()]
+        for t in stopping:
+            t.start()
+        for t in stopping:
+            t.join()
 
 
 def _wait_for_signal() -> None:

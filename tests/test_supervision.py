@@ -243,6 +243,24 @@ def test_a_start_that_times_out_names_who_is_missing_with_the_end_of_their_logs(
     assert "--- prefill-0 (running), last lines of its log:" in message and "--- router-0 (" in message
 
 
+def test_systems_side_by_side_start_together_serve_apart_and_all_stop(tmp_path):
+    """launched_side_by_side (bench.agentic.tiers' six systems): each answers on its own URL and bus, and
+    after the block no process of either is left."""
+    from infra.up import launched_side_by_side
+
+    cfgs = {name: load_config(UpConfig, overrides=[
+        "up.model=tiny", "up.port=0", f"up.run_dir={tmp_path / name}", "up.pool=false", "up.kv_memory=256MiB"],
+        env={}) for name in ("a", "b")}
+    with launched_side_by_side(cfgs) as systems:
+        assert list(systems) == ["a", "b"]
+        (la, ua), (lb, ub) = systems["a"], systems["b"]
+        assert ua != ub and la.nats.url != lb.nats.url
+        assert complete(ua) and complete(ub)
+        procs = [ProcId.of(p.pid) for launcher in (la, lb) for p in launcher.procs.values()]
+        assert len(procs) == 2 * len(la.procs) and all(p is not None and p.alive() for p in procs)
+    assert wait_gone(procs, 1) == []  # stop() waited for every child
+
+
 # --- the real system --------------------------------------------------------------------------------
 
 def complete(base: str, timeout: float = 5.0) -> bool:

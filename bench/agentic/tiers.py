@@ -215,19 +215,21 @@ async def _replay_all(urls: dict[str, str], sessions: list, tag_seed: int, stagg
 
 
 def run(size: Size, run_dir: str, extra: list[str] = (), modes: list[str] | None = None) -> dict:
-    from infra.up import UpConfig, launched
+    from infra.up import UpConfig, launched_side_by_side
     from shared.config import load_config
 
     sessions = corpus(size)
     sz = sizing(sessions, size)
     modes = modes or list(MODES)
-    urls, watchers, sets = {}, {}, {}
+    watchers, sets = {}, {}
+    for mode in modes:
+        sets[mode] = overrides(mode, sz, run_dir) + list(extra)
+        fresh_disk(run_dir, mode)
     with contextlib.ExitStack() as stack:
-        for mode in modes:
-            sets[mode] = overrides(mode, sz, run_dir) + list(extra)
-            fresh_disk(run_dir, mode)
-            launcher, url = stack.enter_context(launched(load_config(UpConfig, overrides=sets[mode], env={})))
-            urls[mode] = url
+        systems = stack.enter_context(launched_side_by_side(
+            {mode: load_config(UpConfig, overrides=sets[mode], env={}) for mode in modes}))
+        urls = {mode: url for mode, (_, url) in systems.items()}
+        for mode, (launcher, _) in systems.items():
             watchers[mode] = LoadWatcher(launcher.nats.url, f"bench-tiers-{mode}")
             stack.callback(watchers[mode].close)
         t0 = time.perf_counter()

@@ -350,13 +350,8 @@ class Launcher:
 @contextlib.contextmanager
 def launched(cfg: UpConfig) -> Iterator[tuple[Launcher, str]]:
     """(launcher, router URL) of a started system whose every instance reported ready; stopped on exit."""
-    launcher = Launcher(cfg)
-    try:
-        url = launcher.start()
-        launcher.wait_ready(url)
-        yield launcher, url
-    finally:
-        launcher.stop()
+    with launched_side_by_side({"": cfg}) as systems:
+        yield systems[""]
 
 
 @contextlib.contextmanager

@@ -221,9 +221,8 @@ def run(size: Size, run_dir: str, extra: list[str] = (), modes: list[str] | None
     sessions = corpus(size)
     sz = sizing(sessions, size)
     modes = modes or list(MODES)
-    watchers, sets = {}, {}
+    watchers, sets = {}, {mode: overrides(mode, sz, run_dir) + list(extra) for mode in modes}
     for mode in modes:
-        sets[mode] = overrides(mode, sz, run_dir) + list(extra)
         fresh_disk(run_dir, mode)
     with contextlib.ExitStack() as stack:
         systems = stack.enter_context(launched_side_by_side(

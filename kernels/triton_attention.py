@@ -9,9 +9,9 @@ chosen so batch x KV heads x splits covers the device's multiprocessors about ei
 program per sequence and head, batch 32 x 3 KV heads would leave most of an H200's 132 SMs idle), and are
 never shorter than MIN_SPLIT_TOKENS.
 
+paged_prefill is kernels/triton_prefill.py's (flash attention over the same paged KV, also read in place).
+
 fp32 pages use IEEE fp32 dot products (never TF32), so results match the torch reference to fp32 rounding.
-paged_prefill delegates to the torch reference (kernels/attention_reference.py): a prompt's attention is
-compute-bound and SDPA's flash path serves it; the memory-bound decode step is what needed a kernel.
 Signatures and semantics: kernels/attention_reference.py.
 """
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import attention_reference
+from kernels.triton_prefill import paged_prefill  # noqa: F401 - this backend's prefill (the registry reads it here)
 
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its merge than it gains in parallelism
 GROUP_PAD = 16          # tl.dot's smallest M
@@ -167,7 +167,4 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, local_layer: int, block_t
     return out
 
 
-def paged_prefill(q: torch.Tensor, pages: torch.Tensor, local_layer: int, segments, scale: float,
-                  window: int = 0) -> torch.Tensor:
-    """The torch reference (SDPA over the segment's gathered context): see the module docstring."""
-    return attention_reference.paged_prefill(q, pages, local_layer, segments, scale, window)
+__all__ = ["CONFIG", "DecodeConfig", "num_splits", "paged_decode", "paged_prefill"]

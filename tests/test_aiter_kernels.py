@@ -135,6 +135,10 @@ def test_mixed_dtypes_go_to_a_backend_that_converts(backend):
     got = backend.paged_decode(q, pages, 0, tables, torch.tensor([100]), 0.25)
     torch.testing.assert_close(got, ref.paged_decode(q, pages, 0, tables, torch.tensor([100]), 0.25),
                                atol=2e-6, rtol=2e-6)
+    segments = [PrefillSegment(0, 30, 100, tables[0])]
+    q = torch.randn(30, 4, 16)
+    torch.testing.assert_close(backend.paged_prefill(q, pages, 0, segments, 0.25),
+                               ref.paged_prefill(q, pages, 0, segments, 0.25), atol=2e-6, rtol=2e-6)
     assert backend.ran == []
 
 
@@ -169,26 +173,10 @@ def test_engine_greedy_tokens_identical_with_aiter_attention(backend, tiny):
     ragged prompts in chunked prefill (later chunks query behind their own earlier ones), a second round behind
     the first's cached prefix, then batched decode. Greedy tokens identical."""
     from kernels import AttentionKernels
-    from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.sampling import SamplingParams
+    from tests.attention_rounds import greedy_two_rounds
 
-    g = torch.Generator().manual_seed(4)
-    first = [torch.randint(0, tiny.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 300)]
-    second = [p + torch.randint(0, tiny.config.vocab_size, (24,), generator=g).tolist() for p in first]
-
-    def greedy(attention):
-        engine = Engine(tiny, EngineConfig(num_blocks=96, max_batched_tokens=128, long_prefill_tokens=0))
-        if attention is not None:
-            engine.model.attention = attention
-        out, cached = [], []
-        for prompts in (first, second):
-            seqs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-            out.append([s.output_ids for s in seqs])
-            cached.append([s.num_device_cached for s in seqs])
-        return out, cached
-
-    want, _ = greedy(None)
-    got, cached = greedy(AttentionKernels("aiter", backend.paged_decode, backend.paged_prefill))
+    want, _ = greedy_two_rounds(tiny)
+    got, cached = greedy_two_rounds(tiny, AttentionKernels("aiter", backend.paged_decode, backend.paged_prefill))
     assert got == want
     assert cached[1][2] >= 288  # the second round's long prompt queried behind its cached 300-token prefix
     assert {"2d", "3d"} & set(backend.ran)

@@ -1,5 +1,5 @@
-"""kernels/triton_attention.py and kernels/triton_kv.py against the torch reference, on CPU tensors under
-Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported; the registry never picks them
+"""kernels/triton_attention.py (its prefill: kernels/triton_prefill.py) and kernels/triton_kv.py against the
+torch reference, on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported; the registry never picks them
 on CPU). The same kernels run compiled on a GPU in tests/gpu/test_triton_gpu.py. The interpreter's bf16
 dot products are wrong, so there every attention dot runs in fp32 (kernels/triton_attention.py): bf16 cases
 here check the loads, masks and merge; the GPU check covers the bf16 dots."""
@@ -56,6 +56,61 @@ def test_decode_splits_cover_long_contexts_and_are_merged():
         ctx = torch.tensor([n], device=DEVICE)
         torch.testing.assert_close(triton_attention.paged_decode(q, pages, 0, tables, ctx, 0.2),
                                    ref_attn.paged_decode(q, pages, 0, tables, ctx, 0.2), atol=2e-6, rtol=2e-6)
+
+
+def _segments(shapes, n_blocks, seed):
+    """PrefillSegments tiling the batch in order, (q_len, ctx_len) each, over shuffled distinct blocks."""
+    from shared.engine.attention import PrefillSegment
+
+    perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    segments, start, used = [], 0, 0
+    for q_len, ctx_len in shapes:
+        n = -(-ctx_len // 16)
+        segments.append(PrefillSegment(start, q_len, ctx_len, perm[used:used + n]))
+        start, used = start + q_len, used + n
+    return segments, start
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 1, 32), (8, 8, 16)])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_equals_reference(hq, hkv, d, window, dtype):
+    """A batch as the engine builds it: a fresh prompt, a turn behind a restored prefix (its rows at the end of a
+    longer context), a one-token chunk, a long prefix with a short suffix; tiles that end mid-segment."""
+    pages = _pages(64, 3, hkv, d, dtype, seed=2)
+    segments, total = _segments([(37, 37), (20, 150), (1, 66), (70, 400)], 64, seed=3)
+    q = torch.randn(total, hq, d, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    want = ref_attn.paged_prefill(q, pages, 2, segments, d ** -0.5, window)
+    got = triton_attention.paged_prefill(q, pages, 2, segments, d ** -0.5, window)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_prefill_reads_kv_in_the_q_dtype_and_the_plan_once_per_forward():
+    """fp32 queries over bf16 pages (kv_dtype unlike dtype) as the reference does (K/V widened), and the tile plan
+    built once for every layer of a forward."""
+    pages = _pages(30, 2, 2, 32, torch.bfloat16, seed=5)
+    segments, total = _segments([(50, 50), (9, 200)], 30, seed=6)
+    q = torch.randn(total, 4, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for layer in (0, 1):
+        torch.testing.assert_close(triton_attention.paged_prefill(q, pages, layer, segments, 0.2),
+                                   ref_attn.paged_prefill(q, pages, layer, segments, 0.2), atol=2e-6, rtol=2e-6)
+    assert [k[0] for k in segments[0].cache if isinstance(k, tuple)].count("triton_prefill") == 1
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU's engine check is tests/gpu/test_engine_gpu.py")
+def test_engine_greedy_tokens_identical_with_triton_attention(tiny):
+    """The tiny model's engine with both Triton kernels in every layer against the same engine on the reference:
+    ragged prompts in chunked prefill, a second round behind the first's cached prefix, batched decode."""
+    from kernels import AttentionKernels
+    from tests.attention_rounds import greedy_two_rounds
+
+    want, _ = greedy_two_rounds(tiny)
+    attn = AttentionKernels("triton", triton_attention.paged_decode, triton_attention.paged_prefill)
+    got, cached = greedy_two_rounds(tiny, attn)
+    assert got == want
+    assert cached[1][2] >= 288  # the second round's long prompt queried behind its cached 300-token prefix
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,9 @@
 """kernels/triton_attention.py (its prefill: kernels/triton_prefill.py) and kernels/triton_kv.py against the
-torch reference, on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported; the registry never picks them
-on CPU). The same kernels run compiled on a GPU in tests/gpu/test_triton_gpu.py. The interpreter's bf16
-dot products are wrong, so there every attention dot runs in fp32 (kernels/triton_attention.py): bf16 cases
-here check the loads, masks and merge; the GPU check covers the bf16 dots."""
+torch reference, on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here before triton is
+imported; the registry never picks them on CPU). The same kernels run compiled on a GPU in
+tests/gpu/test_triton_gpu.py. The interpreter's bf16 dot products are wrong, so there every attention dot runs
+in fp32 (kernels/triton_attention.py): bf16 cases here check the loads, masks and merge; the GPU check covers
+the bf16 dots."""
 
 from __future__ import annotations
 

@@ -3,11 +3,12 @@
 
 Flash attention over the paged KV, read in place through each segment's block table (the torch reference
 gathers each segment's whole context into new tensors in every layer): one program per (tile of a segment's
-query rows, KV head). A tile is PREFILL.rows // group tokens of one segment times its KV head's group of query
-heads, flattened token-major into the rows of one tl.dot, so K and V are loaded once for the group. Its keys
-run from the first one any of its rows may see (0, or the window's start) to its last row's position,
-PREFILL.tok at a time, with an online softmax in fp32; the causal mask is aligned to the end of the context
-(query i of a segment sits at ctx_len - q_len + i), and a window hides keys `window` or more positions back.
+query rows, KV head). A tile is PREFILL.rows // group tokens of one segment (PREFILL_WIDE's past head_dim 128)
+times its KV head's group of query heads, flattened token-major into the rows of one tl.dot, so K and V are
+loaded once for the group. Its keys run from the first one any of its rows may see (0, or the window's start)
+to its last row's position, PREFILL.tok at a time, with an online softmax in fp32; the causal mask is aligned
+to the end of the context (query i of a segment sits at ctx_len - q_len + i), and a window hides keys `window`
+or more positions back.
 The tile plan (which segment and rows each program takes) is built on the host once per forward and kept in
 the first segment's scratch cache for every layer.
 
@@ -99,6 +100,8 @@ class PrefillConfig:
 
 
 PREFILL = PrefillConfig()
+# head_dim 256 (Gemma 3): a 64 x 256 fp32 accumulator alone is 128 registers a thread at 4 warps; halve the tile
+PREFILL_WIDE = PrefillConfig(rows=32, tok=32)
 
 
 def _prefill_plan(segments, group: int, device: torch.device, c: PrefillConfig):
@@ -142,7 +145,7 @@ def paged_prefill(q: torch.Tensor, pages: torch.Tensor, local_layer: int, segmen
     if T == 0 or not segments:
         return out
     group = Hq // Hkv
-    c = PREFILL
+    c = PREFILL if D <= 128 else PREFILL_WIDE
     tile_seg, tile_row, meta, tables, per = _prefill_plan(segments, group, q.device, c)
     _prefill_tile[(tile_seg.shape[0], Hkv)](
         q, out, pages, tables, tile_seg, tile_row, meta,

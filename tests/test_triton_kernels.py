@@ -72,7 +72,7 @@ def _segments(shapes, n_blocks, seed):
     return segments, start
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 1, 32), (8, 8, 16)])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 1, 32), (8, 8, 16), (4, 1, 256)])
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_equals_reference(hq, hkv, d, window, dtype):

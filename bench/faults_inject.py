@@ -42,7 +42,8 @@ class FaultSize:
     storm_close_after_s: float = 2.0  # ... or seconds, if it has not got them by then (queued)
     burst_requests: int = 24
     burst_prompt_bytes: int = 1500  # long prompts, short answers: a few fill the budget, the burst ends soon
-    burst_max_tokens: int = 32
+    burst_max_tokens: int = 64     # at 32, a quick burst drained in ~2.5 s here: some runs had no request wait the
+                                   # 2 s admission_wait_s, so nothing overran; 64 doubles the drain (decode-bound)
     burst_timeout_s: float = 120.0
     flood_priority: int = 10       # router.max_priority's default: the most a key may ask for
 
@@ -95,7 +96,7 @@ async def inject(fault: Fault, launcher: Launcher, base_url: str, record: Callab
                     size.burst_timeout_s)
     elif fault.kind == "priority_flood":  # the burst, every request at the tenant's ceiling (router.max_priority)
         await burst(base_url, record, size.burst_requests, size.burst_prompt_bytes, size.burst_max_tokens,
-                    size.burst_timeout_s, priority=size.flood_priority)
+                    size.burst_timeout_s, priority=size.flood_priority, tag="flood")
     elif fault.kind == "nats_restart":
         await restart_nats(launcher, restarts)
     else:

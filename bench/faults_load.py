@@ -228,15 +228,18 @@ async def storm(base_url: str, record: Callable[[Result], Result], streams: int,
 
 
 async def burst(base_url: str, record: Callable[[Result], Result], requests: int, prompt_bytes: int,
-                max_tokens: int, timeout_s: float, priority: int | None = None) -> None:
+                max_tokens: int, timeout_s: float, priority: int | None = None, tag: str = "burst") -> None:
     """`requests` at once whose reservations together exceed the gate's budget: the rest wait, and what
     waits past gate.admission_wait_s is a 429 with Retry-After. `priority`: each says it (x-request-priority),
-    one tenant flooding at its ceiling, ahead of everyone else in the gate's queue and prefill's order."""
+    one tenant flooding at its ceiling, ahead of everyone else in the gate's queue and prefill's order.
+    `tag` starts every prompt's lines: bursts with different tags share no prefix past the system prompt, so a
+    later burst is as cold as the first (the same prompts again were served from the prefix cache, the queue
+    drained within admission_wait_s, and the burst overran nothing)."""
     headers = {"x-request-priority": str(priority)} if priority is not None else {}
     async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers,
                                  limits=httpx.Limits(max_connections=requests + 8)) as http:
         async def one(k: int) -> None:
-            line = f"User burst-{k}: list every knot you know, number {k}.\n"
+            line = f"User {tag}-{k}: list every knot you know, number {k}.\n"
             prompt = SYSTEM + line * max(1, (prompt_bytes - len(SYSTEM)) // len(line)) + "Assistant:"
             record(await send(http, "burst", prompt, max_tokens, k % 2 == 0, timeout_s))
         await asyncio.gather(*(one(k) for k in range(requests)))

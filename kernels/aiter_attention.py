@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from aiter.ops.triton.unified_attention import unified_attention
 
+from kernels.attention_reference import padded_block_tables
+
 
 def _window(window: int) -> tuple[int, int]:
     """moorage's window (positions a query sees, its own included; 0: all) as AITER's (left, right)."""
@@ -83,11 +85,7 @@ def _segment_tensors(segments, device: torch.device, total: int):
                          f"(starts {starts}, lengths {[s.q_len for s in segments]})")
     cu_q = torch.tensor([0] + ends, dtype=torch.int64, device=device)
     ctx = torch.tensor([s.ctx_len for s in segments], dtype=torch.int64, device=device)
-    width = max(s.block_table.shape[0] for s in segments)
-    tables = torch.zeros((len(segments), width), dtype=torch.int64, device=device)
-    for i, s in enumerate(segments):
-        tables[i, :s.block_table.shape[0]] = s.block_table
-    got = (cu_q, ctx, tables, max(s.q_len for s in segments), max(s.ctx_len for s in segments))
+    got = (cu_q, ctx, padded_block_tables(segments, device), max(s.q_len for s in segments), max(s.ctx_len for s in segments))
     if cache is not None:
         cache["aiter"] = got
     return got

@@ -25,6 +25,16 @@ def read_context(pages: torch.Tensor, local_layer: int, kv: int, block_table: to
     return x.flatten(-4, -3)
 
 
+def padded_block_tables(segments, device: torch.device) -> torch.Tensor:
+    """The prefill segments' block tables as one [S, widest] int64 tensor, rows padded with block 0 (for a kernel
+    that takes a whole batch's tables at once: triton_prefill, aiter_attention)."""
+    width = max(max(s.block_table.shape[0] for s in segments), 1)
+    tables = torch.zeros((len(segments), width), dtype=torch.int64, device=device)
+    for i, s in enumerate(segments):
+        tables[i, :s.block_table.shape[0]] = s.block_table
+    return tables
+
+
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, local_layer: int, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     dtype = q.dtype

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_reference import padded_block_tables
+
 # Triton's interpreter computes bf16 dot products wrong: there every dot runs in fp32 (kernels/triton_attention.py)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -118,10 +120,7 @@ def _prefill_plan(segments, group: int, device: torch.device, c: PrefillConfig):
         for r in range(0, s.q_len, per):
             tile_seg.append(i)
             tile_row.append(r)
-    width = max(s.block_table.shape[0] for s in segments)
-    tables = torch.zeros((len(segments), max(width, 1)), dtype=torch.int64, device=device)
-    for i, s in enumerate(segments):
-        tables[i, :s.block_table.shape[0]] = s.block_table
+    tables = padded_block_tables(segments, device)
     meta = torch.tensor([[s.q_start, s.q_len, s.ctx_len] for s in segments], dtype=torch.int64, device=device)
     got = (torch.tensor(tile_seg, dtype=torch.int32, device=device),
            torch.tensor(tile_row, dtype=torch.int64, device=device), meta, tables, per)

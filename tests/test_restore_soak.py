@@ -28,9 +28,11 @@ def test_every_turn_matches_from_scratch(soak):
 
 def test_the_soak_exercised_what_it_claims(soak):
     c, o = soak["counts"], soak["counts"]["outcomes"]
-    # the pool served a good share of the turns: 54-66 restores of 240 in 6 runs here (timing decides
-    # which chunks the small stores still hold), so a sixth leaves room for noise, not for a broken pool
-    assert c["restores"] >= QUICK.cycles // 6
+    # the pool served a good share of the turns (timing decides which chunks the small stores still hold):
+    # 54-66 restores of 240 in 6 runs once; on 2026-12-06 37-70 in 8 counted runs, this code and the code
+    # before stop 46 alike, two below a floor of a sixth (a CI run failed at 39), so an eighth: room for
+    # noise, none for a broken pool (which restores nothing)
+    assert c["restores"] >= QUICK.cycles // 8
     assert o["restored"] > 0 and o["fresh"] > 0
     assert c["partial_restores"] + c["misses"] > 0  # the small pool lost history along the way
     assert c["midway_evictions"] > 0 and c["corruptions"] > 0

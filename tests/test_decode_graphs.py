@@ -4,6 +4,7 @@ eagerly on CPU. The replay itself is checked on a device (tests/gpu/test_engine_
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shared.engine.decode_graphs import DecodeGraphs, batch_buckets, width_bucket
 from shared.engine.engine import Engine, EngineConfig
@@ -75,3 +76,39 @@ def test_padded_rows_write_only_the_scratch_block(tiny):
         changed |= {tuple(ix) for ix in diff.nonzero().tolist()}
     assert changed == new_slots | {(64, 0)}
 
+
+
+def test_recording_ahead_covers_every_bucket_largest_first_on_padding_rows(tiny, monkeypatch):
+    """engine.cuda_graphs_ahead: every (batch, width) bucket is recorded at start-up, largest first, each after an
+    eager step whose rows are all padding: that step writes nothing but the scratch block. CPU records nothing;
+    here the recording itself is replaced (torch.cuda.graph needs a device: tests/gpu records for real)."""
+    engine = Engine(tiny, EngineConfig(num_blocks=64, max_num_seqs=6, cuda_graphs=True))
+    g = engine.runner.graphs
+    assert g.record is False and g.stats.recorded == 0 and not g.buckets  # CPU: nothing ahead
+    widths = [1 << i for i in range(g.max_width.bit_length())]
+    assert g.all_buckets() == [(b, w) for b in (8, 4, 2, 1) for w in reversed(widths)]
+    before = [p.clone() for p in engine.pages]
+    order = []
+
+    def record(b, key, eager):
+        order.append(key)
+        assert b.tables.shape == key and (b.tables == g.scratch).all()  # every row padding
+        assert eager.shape == (key[0], tiny.config.vocab_size)  # the step run just before: the logits' shape
+        b.graph = object()
+        g.stats.recorded += 1
+        if len(order) == 5:  # the fifth recording fails: graphs go off, nothing more is recorded
+            g.record = False
+
+    monkeypatch.setattr(g, "_record", record)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    g.record = True
+    g.record_all()
+    assert order == g.all_buckets()[:5] and g.stats.recorded == 5 and g.stats.padded == 0
+    g.record = True
+    g.record_all()  # goes on where it stopped: recorded buckets are not recorded again
+    assert order == g.all_buckets() and g.stats.recorded == len(order) == 4 * len(widths)
+    changed = set()
+    for a, b in zip(before, engine.pages):
+        diff = (a != b).flatten(4).any(-1).any(1).any(1)
+        changed |= {blk for blk, _ in diff.nonzero().tolist()}
+    assert changed == {g.scratch}

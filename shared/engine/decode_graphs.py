@@ -9,9 +9,15 @@ bucket (the forward pass and the logits) is replayed as one launch.
 - Padded rows compute a one-token context on a scratch block that no sequence owns (the engine allocates one
   page past the block manager's), so they write nothing any sequence reads; their rows are dropped. Table
   columns past a sequence's blocks are never read (each row attends to its own context length).
-- A bucket is recorded the first time a step needs it: that step runs eagerly on the bucket's static tensors
-  (which also compiles any Triton kernel it launches), then the graph is recorded; recording runs nothing.
-  All buckets share one memory pool; each bucket's logits stay valid until its next replay.
+- Every bucket is recorded when the engine starts (`engine.cuda_graphs_ahead`, as vLLM captures its graphs):
+  largest first, so the smaller ones reuse the memory pool's blocks, each after one eager step on all-padding
+  rows (which also compiles any Triton kernel it launches), so no decode step in service pays a recording or
+  a compile. The graphs do not depend on the rows' values: the kernels' launch grids follow the table's width,
+  never its contents. With the switch off, a bucket is recorded the first time a step needs it, after that
+  step ran eagerly on its static tensors. Recording runs nothing. All buckets share one memory pool, and the
+  buckets of one batch size one logits buffer outside it, which each graph's last kernel copies into (not a
+  buffer per width: at Gemma 3's 262K vocabulary those would hold ~1 GB across the buckets). The logits stay
+  valid until the next replay of that batch size.
 - A batch past the largest bucket, or a table wider than the model's context, runs eagerly as before. A
   failed recording turns graphs off for the engine, with the reason logged, and the step still completes.
 
@@ -21,6 +27,7 @@ the switch off (tests/test_decode_graphs.py); tests/gpu checks the replay on a d
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +58,7 @@ class _Bucket:
     inputs: torch.Tensor   # [5, batch] int64: ids, positions, slot blocks, slot offsets, context lengths
     tables: torch.Tensor   # [batch, width] int64
     graph: object | None = None            # torch.cuda.CUDAGraph once recorded
-    logits: torch.Tensor | None = None     # the graph's output
+    logits: torch.Tensor | None = None     # the graph's output: its batch size's logits buffer
 
 
 @dataclass
@@ -77,7 +84,32 @@ class DecodeGraphs:
                         "eagerly, for nothing but tests", device=str(self.device))
         self.pool = torch.cuda.graph_pool_handle() if self.record else None
         self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # batch size -> the logits buffer its graphs write
         self.stats = GraphStats()
+
+    def all_buckets(self) -> list[tuple[int, int]]:
+        """Every (batch, width) bucket, largest first."""
+        widths = [1 << i for i in range(self.max_width.bit_length())]
+        return [(b, w) for b in reversed(self.sizes) for w in reversed(widths)]
+
+    def record_all(self) -> None:
+        """Record every bucket not yet recorded (engine.cuda_graphs_ahead): each runs one eager step on rows
+        that are all padding (they write only the scratch block), then its graph is recorded. Nothing on a
+        device without CUDA graphs; a failed recording stops here (graphs are then off, as in run())."""
+        if not self.record:
+            return
+        t0 = time.perf_counter()
+        for key in self.all_buckets():
+            b = self.buckets.get(key) or self._new_bucket(*key)
+            if b.graph is not None:
+                continue
+            self._fill(b, [], [], [], [], [], [])
+            self._record(b, key, self._forward(b))
+            if not self.record:
+                return
+        torch.cuda.synchronize(self.device)
+        log.info("cuda graphs recorded ahead", buckets=self.stats.recorded, batches=self.sizes,
+                 max_width=self.max_width, seconds=round(time.perf_counter() - t0, 2))
 
     def bucket_for(self, batch: int, width: int) -> tuple[int, int] | None:
         """(padded batch, padded width), or None when the step runs eagerly."""
@@ -104,7 +136,7 @@ class DecodeGraphs:
         self.stats.padded += 1
         out = self._forward(b)
         if self.record:
-            self._record(b, key)
+            self._record(b, key, out)
         return out[:n]
 
     def _new_bucket(self, size: int, width: int) -> _Bucket:
@@ -130,16 +162,21 @@ class DecodeGraphs:
         attn = AttentionBatch(slot_blocks, slot_offsets, decode_block_tables=b.tables, decode_ctx_lens=ctx_lens)
         return self.model.logits(self.model.forward(ids, positions, attn, self.pages))
 
-    def _record(self, b: _Bucket, key: tuple[int, int]) -> None:
+    def _record(self, b: _Bucket, key: tuple[int, int], eager: torch.Tensor) -> None:
+        """Record the bucket's step; `eager` is that step's output, run just before (its shape and dtype are
+        the logits buffer's)."""
+        logits = self.logits.get(key[0])
+        if logits is None:
+            logits = self.logits[key[0]] = torch.empty_like(eager)  # outside the graphs' pool
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the services' copy threads may use the device meanwhile, on streams of their own
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._forward(b)
+                logits.copy_(self._forward(b))
         except Exception as e:  # noqa: BLE001 - never fail a step for a graph: run eagerly from now on
             self.record = False
             log.error("cuda graph recording failed; decode runs eagerly", bucket=list(key), error=repr(e))
             return
         b.graph, b.logits = graph, logits
         self.stats.recorded += 1
-        log.info("cuda graph recorded", batch=key[0], width=key[1], buckets=self.stats.recorded)
+        log.debug("cuda graph recorded", batch=key[0], width=key[1], buckets=self.stats.recorded)

@@ -60,6 +60,7 @@ class EngineConfig:
     chunk_tokens: int = 256           # tokens per pool object (a multiple of 16); part of the KV namespace
     record_prompt_logits: bool = False  # keep the logits that chose each first token (tests)
     cuda_graphs: bool = False         # decode steps replayed from CUDA graphs, per (batch, table width) bucket (shared/engine/decode_graphs.py); on CPU the same padded batches run eagerly
+    cuda_graphs_ahead: bool = True    # with cuda_graphs: record every bucket when the engine starts (largest first), so no step in service pays a recording or a Triton compile; false: each on the first step that needs it
     kv_warm_ahead: str = "512MiB"     # CPU: keep this much KV (a size, or a share of the pool: "10%") beyond the blocks used so far resident, faulted in by a native thread at nice 19 (idle CPU); "0" = off (first writes then page-fault)
 
     def __post_init__(self) -> None:
@@ -130,6 +131,8 @@ class Engine:
         graphs = DecodeGraphs(self.model, self.pages, self.layout.block_size, cfg.num_blocks, cfg.max_num_seqs,
                               mc.max_context) if cfg.cuda_graphs else None
         self.runner = ModelRunner(self.model, self.pages, self.layout.block_size, graphs)
+        if graphs is not None and cfg.cuda_graphs_ahead:
+            graphs.record_all()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.guides = Guides(self.tokenizer, mc.vocab_size)  # constrained decoding (llguidance, built on first use)

@@ -7,6 +7,7 @@ weights there (tests/random_oracle.py); the real weights' identity is proven on 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -139,19 +140,29 @@ def _decode_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> flo
 def test_cuda_graphs_replay_the_eager_decode(checkpoint, dtype, report):
     """engine.cuda_graphs: decode replayed from graphs gives the tokens of the same padded batches run eagerly
     (the same kernels on the same shapes), batches shrinking 7 -> 1 through four buckets; in fp32 also the
-    tokens of unpadded eager decode and of transformers. Then the decode step's time, graphs against eager."""
+    tokens of unpadded eager decode and of transformers. Graphs recorded on the first step that needs them
+    (cuda_graphs_ahead off) and every bucket recorded at start-up on padding rows (the default) give the same
+    tokens, and then no step in service runs eagerly. Then the decode step's time, graphs against eager."""
     shape, model, path = checkpoint
     vocab = oracle.SHAPES[shape]["vocab_size"]
     prompts = oracle.prompts(vocab, (7, 100, 700, 33, 250, 64, 400), seed=13)
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(7)]
-    out = {}
-    for mode in ("eager", "padded", "graphs"):
-        engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=mode != "eager")
+    out, start_s = {}, {}
+    for mode in ("eager", "padded", "graphs", "ahead"):
+        t0 = time.perf_counter()
+        engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=mode != "eager",
+                         cuda_graphs_ahead=mode == "ahead")
+        start_s[mode] = time.perf_counter() - t0
         if mode == "padded":
             engine.runner.graphs.record = False
+        if mode == "ahead":
+            ahead = dataclasses.replace(engine.runner.graphs.stats)
+            buckets = len(engine.runner.graphs.all_buckets())
         out[mode] = [s.output_ids for s in engine.generate(prompts, params)]
         if mode == "graphs":
             stats = engine.runner.graphs.stats
+        if mode == "ahead":
+            served = engine.runner.graphs.stats
     ms = {}
     for graphs in (False, True):
         engine = _engine(path, dtype=dtype, max_num_seqs=8, cuda_graphs=graphs)
@@ -159,10 +170,16 @@ def test_cuda_graphs_replay_the_eager_decode(checkpoint, dtype, report):
     parts = [_first_divergence(a, b) for a, b in zip(out["graphs"], out["eager"])]
     report(model=shape, dtype=dtype, recorded=stats.recorded, replays=stats.replays,
            identical_to_padded_eager=out["graphs"] == out["padded"], agree_with_eager_until=parts,
+           ahead_recorded=ahead.recorded, ahead_identical=out["ahead"] == out["graphs"],
+           start_s_lazy_ahead=f"{start_s['graphs']:.2f}->{start_s['ahead']:.2f}",
            step_ms_b1=f"{ms[False][0]:.2f}->{ms[True][0]:.2f}", step_ms_b8=f"{ms[False][1]:.2f}->{ms[True][1]:.2f}")
     # 31 decode steps through the buckets of 8, 4, 2 and 1 sequences: each bucket's first runs eagerly and records
     assert stats.padded == stats.recorded >= 4 and stats.replays + stats.padded == 31 and stats.eager == 0
     assert out["graphs"] == out["padded"]
+    # recorded ahead: every bucket before the first request, none in service, every step a replay
+    assert ahead.recorded == buckets and served.recorded == buckets and served.padded == 0
+    assert served.replays == 31 and served.eager == 0
+    assert out["ahead"] == out["graphs"]
     if dtype == "float32":  # eager fp32 decode equals transformers (test_greedy_fp32_equals_transformers_on_device)
         assert out["graphs"] == out["eager"]
 

@@ -64,4 +64,5 @@ def test_up_on_cuda_serves_the_openai_client(tmp_path, report):
     assert sampled.usage.completion_tokens > 0
     assert handoffs["handoffs_done"] == 3 and handoffs["handoff_reused_blocks"] > 0  # turn 2 and its sample reused
     assert graphs["replays"] > 0  # decode replayed its steps from CUDA graphs (the answer above is theirs)
+    assert graphs["padded"] == 0 and graphs["recorded"] > 0  # all recorded at start-up: none in service
     assert torch.cuda.is_available()

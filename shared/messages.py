@@ -20,7 +20,7 @@ from typing import Annotated, ClassVar
 import msgspec
 import numpy as np
 
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprob
 
 SCHEMA_VERSION = 1
 
@@ -308,6 +308,7 @@ class TokenChunk(Message):
     finish_reason: str | None = None
     usage: dict | None = None   # on the final chunk
     error: dict | None = None   # {"status": int, "type": str, "message": str}
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked (SamplingParams)
 
 
 @message("cancel")

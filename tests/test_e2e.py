@@ -80,6 +80,52 @@ def test_chat_and_completions_equal_engine_output(system, tiny):
     assert streamed == ref2.output_text
 
 
+def test_logprobs_through_the_system_equal_the_engine_s(system, tiny):
+    """Chat `logprobs` + `top_logprobs` and completions' `logprobs`: the first token's numbers come from prefill,
+    the rest from decode, and the second time the prompt comes from the cache; every token's log-probability and
+    alternatives equal the in-process engine's from scratch (within float noise), streamed and whole alike."""
+    _, base, _ = system
+    c, tok = client(base), tiny.tokenizer
+    messages = [{"role": "user", "content": QUESTION + " Answer with log-probabilities."}]
+    engine = Engine(tiny, EngineConfig(num_blocks=256, enable_prefix_cache=False))
+
+    def ref_of(ids):
+        [ref] = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3))
+        return [(tok.token_bytes(t), lp.logprob, [tok.token_bytes(a) for a, _ in lp.top])
+                for t, lp in zip(ref.output_ids, ref.output_logprobs)]
+
+    def same(got, want):
+        assert [(b, alts) for b, _, alts in got] == [(b, alts) for b, _, alts in want]
+        assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], abs=1e-4)
+
+    want = ref_of(tok.chat_token_ids(messages))
+    for turn in range(2):
+        r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                      top_logprobs=3, extra_body={"ignore_eos": True})
+        same([(bytes(e.bytes), e.logprob, [bytes(a.bytes) for a in e.top_logprobs])
+              for e in r.choices[0].logprobs.content], want)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0  # the second time: the prompt from the cache
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    same([(bytes(e.bytes), e.logprob, [bytes(a.bytes) for a in e.top_logprobs])
+          for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content], want)
+
+    want = ref_of(tok.encode("def fibonacci(n):"))
+    r = c.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=12, temperature=0, logprobs=3,
+                             extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    def text(b: bytes) -> str:  # OpenAI's way with a token that is part of a character: its bytes, spelled out
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    assert lp.tokens == [text(b) for b, _, _ in want]
+    assert lp.token_logprobs == pytest.approx([v for _, v, _ in want], abs=1e-4)
+    assert [list(d) for d in lp.top_logprobs] == [[text(a) for a in alts] for _, _, alts in want]
+
+
 def test_second_turn_reuses_cached_prefix_and_matches_scratch(system, tiny):
     _, base, _ = system
     c = client(base)

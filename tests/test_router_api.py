@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from shared.bus import Bus, BusConfig
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprob
 from shared.engine.tokenizer import ByteTokenizer
 from shared.messages import (Ack, AdmitReply, AdmitRequest, Cancel, LoadReport, PrefillSubmit, Release, SessionClose,
                              SessionTurn, TokenChunk)
@@ -169,7 +169,11 @@ class FakeCluster:
             u = None
             if finished and error is None:
                 u = {**usage, "completion_tokens": sent + len(ids), "total_tokens": n + sent + len(ids)}
-            await self.bus.publish(out, TokenChunk(rid, ids, piece, finished, reason, u, error))
+            k = msg.sampling.logprobs  # made-up numbers: the i-th token -0.5 - i/10, alternatives 7, 8, ... below
+            lps = None if k is None or not ids else [
+                TokenLogprob(-0.5 - sent / 10, tuple([(ids[0], -0.5 - sent / 10)] + [(7 + j, -3.0 - j) for j in
+                                                                                       range(k - 1)])[:k])]
+            await self.bus.publish(out, TokenChunk(rid, ids, piece, finished, reason, u, error, logprobs=lps))
 
         sent = 0
         if "[silent]" in text:
@@ -787,9 +791,8 @@ def _get_ok(url: str) -> bool:
 
 # ---- unsupported OpenAI features (issue 10): a 400 naming the field; neutral values accepted ----------
 UNSUPPORTED = [  # tools, tool_choice and response_format are served since issue 27 (tests/test_tools.py)
-    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 2),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}), (CHAT, "n", 2),
-    (COMPL, "logprobs", 0), (COMPL, "logprobs", 3), (COMPL, "n", 3), (COMPL, "best_of", 2), (COMPL, "echo", True),
+    (COMPL, "n", 3), (COMPL, "best_of", 2), (COMPL, "echo", True),
     (COMPL, "suffix", "}\n"),
 ]
 
@@ -816,6 +819,75 @@ def test_neutral_values_of_unsupported_features_are_served(http, fake):
              "best_of": 1, "suffix": None}
     assert http.post(COMPL, json=compl).status_code == 200
     assert http.post(COMPL, json={**compl, "logprobs": False, "suffix": ""}).status_code == 200
+
+
+def test_logprobs_reach_the_prefill_and_come_back_shaped_per_api(client, fake):
+    """Chat's logprobs + top_logprobs and completions' logprobs count travel as SamplingParams.logprobs; the
+    numbers that come back with each token (the fake's) are shaped as OpenAI's: chat's content list (token, its
+    bytes, top_logprobs), completions' four lists, streamed (spread over the chunks) and whole alike."""
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=8,
+                                                           logprobs=True, top_logprobs=2)
+    r = raw.parse()
+    assert fake.submit_of(raw.headers["x-request-id"])[1].sampling.logprobs == 2
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "Hello world!"  # the fake's text; its tokens are ids 100, 101, 102
+    assert [e.token for e in content] == ["d", "e", "f"]
+    assert [e.logprob for e in content] == [-0.5, -0.6, -0.7]
+    assert [bytes(e.bytes) for e in content] == [TOK.token_bytes(100 + i) for i in range(3)]
+    assert [[(a.token, a.logprob) for a in e.top_logprobs] for e in content][0] == [
+        (TOK.token_bytes(100).decode(), -0.5), (TOK.token_bytes(7).decode(), -3.0)]
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, logprobs=True,
+                                                 top_logprobs=2, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in content]
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = [{"role": "user", "content": "[call] weather?"}]
+    r = client.chat.completions.create(model="tiny", messages=call, tools=[weather], max_tokens=64, logprobs=True)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].logprobs.content) == 1
+    chunks = list(client.chat.completions.create(model="tiny", messages=call, tools=[weather], max_tokens=64,
+                                                 logprobs=True, stream=True))
+    assert [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content] == ["d"]  # on the call's first delta (a parser holds text)
+    assert any(ch.choices and ch.choices[0].delta.tool_calls for ch in chunks)
+    no_top = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, logprobs=True)
+    assert [e.top_logprobs for e in no_top.choices[0].logprobs.content] == [[], [], []]
+    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8).choices[0].logprobs is None
+
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=8, logprobs=3)
+    r = raw.parse()
+    assert fake.submit_of(raw.headers["x-request-id"])[1].sampling.logprobs == 3
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [TOK.token_bytes(100 + i).decode() for i in range(3)]
+    assert lp.token_logprobs == [-0.5, -0.6, -0.7]
+    assert lp.top_logprobs[1] == {TOK.token_bytes(101).decode(): -0.6, TOK.token_bytes(7).decode(): -3.0,
+                                  TOK.token_bytes(8).decode(): -4.0}
+    assert lp.text_offset == [0, 1, 2]
+    chunks = list(client.completions.create(model="tiny", prompt="x", max_tokens=8, logprobs=3, stream=True))
+    parts = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens and sum((p.text_offset for p in parts), []) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),                       # needs logprobs: true
+    (CHAT, {"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),     # OpenAI's bound
+    (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    (CHAT, {"logprobs": 1}, "logprobs"),                                # a bool
+    (COMPL, {"logprobs": True}, "logprobs"),                            # completions: a count
+    (COMPL, {"logprobs": 21}, "logprobs"),
+    (COMPL, {"logprobs": -1}, "logprobs"),
+    ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),             # not served there: never ignored
+    ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
+])
+def test_bad_logprobs_are_a_400_naming_the_field(http, fake, path, extra, param):
+    before = len(fake.admits)
+    body = {"model": "tiny", **({"messages": USER, "max_tokens": 4} if path == CHAT else {"prompt": "x", "max_tokens": 4}
+                                if path == COMPL else {"input": "x", "max_output_tokens": 4}), **extra}
+    err = assert_openai_error(http.post(path, json=body), 400)
+    assert err["param"] == param
+    assert len(fake.admits) == before
 
 
 def test_a_one_mib_stop_string_is_a_400(http, fake):

@@ -205,7 +205,8 @@ class DecodeService:
                                        **a.summary()})
                 a.span.end()
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
-                out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason, usage))
+                out.request_id, out.new_token_ids, out.text_delta, out.finished, out.finish_reason, usage,
+                logprobs=out.logprobs))
 
     async def on_failed(self, request_ids: list[str], message: str) -> None:
         """The engine ended these requests on an error and already released their KV."""

@@ -318,7 +318,7 @@ class PrefillService:
             usage = make_usage(len(p.seq.prompt_ids), len(p.seq.output_ids), sources) if finished_here else None
             await self.bus.publish(self.bus.subjects.request_out(out.request_id), TokenChunk(
                 out.request_id, out.new_token_ids, out.text_delta, finished_here,
-                out.finish_reason if finished_here else None, usage))
+                out.finish_reason if finished_here else None, usage, logprobs=out.logprobs))
             if self.pool is not None and self.pool.settings.save and out.finished:
                 self._start_save(p)
             if finished_here:

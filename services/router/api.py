@@ -20,6 +20,7 @@ from services.router.conversation import Conversation
 from services.router.hints import Hints
 from services.router.schemas import OpenAIError, from_validation_error
 from services.router.tool_calls import Call, CallParser, Text, ToolFormat
+from shared.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Parsed:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None      # per-token log-probabilities with this many alternatives (None: off)
     session_hint: str | None = None  # the session, as the body names it (prompt_cache_key, user, metadata.user_id)
     include_usage: bool = False      # OpenAI streams: a final usage chunk
     hints: Hints = Hints()           # priority (services/router/hints.py), before the header and the tenant's ceiling
@@ -47,6 +49,7 @@ class Prepared:
     prompt_tokens: int
     fmt: ToolFormat | None = None       # the model's tool-call format, when calls are parsed from the output
     tool_names: frozenset[str] = frozenset()
+    tokenizer: Tokenizer | None = None  # when the request asked for per-token log-probabilities (their texts)
 
     def parser(self, id_prefix: str = "call_") -> CallParser | None:
         return self.fmt.parser(self.tool_names, id_prefix) if self.fmt is not None else None
@@ -94,6 +97,10 @@ class Shaper:
 
     def start(self) -> bytes:
         return b""
+
+    def add_logprobs(self, pairs) -> None:
+        """Log-probabilities of tokens just received ((id, TokenLogprob) pairs), shaped with the next `delta`,
+        `end` or `full`. Only the OpenAI APIs ask for them."""
 
     def delta(self, text: str) -> bytes:
         raise NotImplementedError

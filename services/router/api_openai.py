@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.conversation import Conversation, ToolChoice, tool
 from services.router.hints import from_body
+from services.router.logprobs import LogprobRender
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, NamedChoice, OpenAIError
 from services.router.tool_calls import Call
 from shared.messages import TokenChunk
@@ -61,6 +62,18 @@ class OpenAIShaper(Shaper):
     include_usage: bool = False
     output: Output = field(default_factory=lambda: Output(None))
     created: int = field(default_factory=lambda: int(time.time()))
+    render: LogprobRender | None = None  # the request asked for log-probabilities
+    pending: list = field(default_factory=list)  # (id, TokenLogprob) pairs not shaped yet
+
+    def add_logprobs(self, pairs) -> None:
+        self.pending.extend(pairs)
+
+    def _logprobs(self) -> dict | None:
+        """The pending tokens' log-probabilities in this API's shape (taken: shaped once), or None."""
+        if self.render is None:
+            return None
+        pairs, self.pending = self.pending, []
+        return self.render.chat(pairs) if self.chat else self.render.completion(pairs)
 
     @property
     def id(self) -> str:
@@ -78,9 +91,10 @@ class OpenAIShaper(Shaper):
             message = {"role": "assistant", "content": out.text if out.text or not out.calls else None}
             if out.calls:
                 message["tool_calls"] = [tool_call(c) for c in out.calls]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self._finish(finish_reason)}
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(),
+                      "finish_reason": self._finish(finish_reason)}
             return {**self._base("chat.completion"), "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(), "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice], "usage": usage}
 
     def _chunk(self, choice: dict) -> bytes:
@@ -89,33 +103,42 @@ class OpenAIShaper(Shaper):
             obj["usage"] = None
         return sse(obj)
 
-    def _delta(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+    def _delta(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
+        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def start(self) -> bytes:
         return self._delta({"role": "assistant", "content": ""}) if self.chat else b""
 
-    def _events(self, events) -> bytes:
+    def _events(self, events, logprobs: dict | None = None) -> bytes:
+        """The chunks of these events; `logprobs` ride on the first (a tool-call parser may hold text back,
+        so the tokens' numbers can come before their text)."""
         parts = []
         for e in events:
             if isinstance(e, Call):
                 parts.append(self._delta({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                                          "function": {"name": e.name, "arguments": ""}}]}))
+                                                          "function": {"name": e.name, "arguments": ""}}]},
+                                         logprobs=logprobs))
                 parts.append(self._delta({"tool_calls": [{"index": e.index, "function": {"arguments": e.arguments}}]}))
             else:
-                parts.append(self._delta({"content": e.text}))
+                parts.append(self._delta({"content": e.text}, logprobs=logprobs))
+            logprobs = None
+        if logprobs is not None:
+            parts.append(self._delta({}, logprobs=logprobs))
         return b"".join(parts)
 
     def delta(self, text: str) -> bytes:
+        logprobs = self._logprobs() if self.pending else None
         if not self.chat:
-            return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None}) if text else b""
-        return self._events(self.output.feed(text))
+            return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}) \
+                if text or logprobs else b""
+        return self._events(self.output.feed(text), logprobs)
 
     def end(self, finish_reason: str, usage: dict) -> bytes:
+        logprobs = self._logprobs() if self.pending else None
         if not self.chat:
-            last = self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason})
+            last = self._chunk({"index": 0, "text": "", "logprobs": logprobs, "finish_reason": finish_reason})
         else:
-            last = self._events(self.output.finish()) + self._delta({}, self._finish(finish_reason))
+            last = self._events(self.output.finish()) + self._delta({}, self._finish(finish_reason), logprobs)
         tail = sse({**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                     "usage": usage}) if self.include_usage else b""
         return last + tail + DONE
@@ -144,13 +167,14 @@ class ChatCompletions(Api):
                             body.response_format.schema() if body.response_format else None)
         return Parsed(body.model, bool(body.stream), conversation=conv, max_tokens=body.requested_max_tokens(),
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
-                      ignore_eos=bool(body.ignore_eos), hints=from_body(body),
+                      ignore_eos=bool(body.ignore_eos), hints=from_body(body), logprobs=body.logprobs_count(),
                       session_hint=body.prompt_cache_key or body.user,
                       include_usage=body.include_usage)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
         p = prepared.parsed
-        return OpenAIShaper(True, request_id, p.model, p.include_usage, Output(prepared.parser()))
+        return OpenAIShaper(True, request_id, p.model, p.include_usage, Output(prepared.parser()),
+                            render=_render(prepared))
 
 
 class Completions(Api):
@@ -161,10 +185,14 @@ class Completions(Api):
         body: CompletionRequest = self.validate(CompletionRequest, raw)
         return Parsed(body.model, bool(body.stream), prompt=body.prompt, max_tokens=body.requested_max_tokens(),
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
-                      ignore_eos=bool(body.ignore_eos), hints=from_body(body),
+                      ignore_eos=bool(body.ignore_eos), hints=from_body(body), logprobs=body.logprobs_count(),
                       session_hint=body.prompt_cache_key or body.user,
                       include_usage=body.include_usage)
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
         p = prepared.parsed
-        return OpenAIShaper(False, request_id, p.model, p.include_usage)
+        return OpenAIShaper(False, request_id, p.model, p.include_usage, render=_render(prepared))
+
+
+def _render(prepared: Prepared) -> LogprobRender | None:
+    return LogprobRender(prepared.tokenizer) if prepared.tokenizer is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.api_openai import sse
@@ -111,6 +111,17 @@ class ResponsesRequest(Hinted):
     text: TextOptions | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+
+    @field_validator("top_logprobs", "include")
+    @classmethod
+    def _no_logprobs(cls, v, info: ValidationInfo):
+        asked = v and (info.field_name == "top_logprobs" or "message.output_text.logprobs" in v)
+        if asked:
+            raise ValueError(f"{info.field_name}: log-probabilities are not supported by this server's Responses "
+                             "API (Chat Completions and Completions return them)")
+        return v
 
     @field_validator("previous_response_id")
     @classmethod

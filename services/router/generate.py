@@ -215,13 +215,15 @@ class Generation:
             out.handed_off = True
             return _Stream(self._stream(first, shaper, job), self._finish, media_type="text/event-stream",
                            headers={**headers, "Cache-Control": "no-cache"})
-        text, final = collected
+        text, final, logprobs = collected
+        shaper.add_logprobs(logprobs)
         out.usage = make_usage(final, len(job.prompt_ids), self.completion_tokens)
         out.status, out.reason = 200, "finished"
         return JSONResponse(shaper.full(text, final.finish_reason or "stop", out.usage), headers=headers)
 
-    async def _until_answer(self, stream: bool) -> tuple[TokenChunk, tuple[str, TokenChunk] | None]:
-        """Admit, submit and wait for the first token; without streaming also the rest (text, final chunk)."""
+    async def _until_answer(self, stream: bool) -> tuple[TokenChunk, tuple[str, TokenChunk, list] | None]:
+        """Admit, submit and wait for the first token; without streaming also the rest (text, final chunk,
+        the tokens' log-probabilities when asked)."""
         await self.dispatch.start()
         first = await self.dispatch.next_chunk()
         if first.error:
@@ -252,15 +254,16 @@ class Generation:
                               headers={"Retry-After": "1"})  # cancelled inside, not by the client
         return work.result()
 
-    async def _collect(self, chunk: TokenChunk) -> tuple[str, TokenChunk]:
-        parts = []
+    async def _collect(self, chunk: TokenChunk) -> tuple[str, TokenChunk, list]:
+        parts, logprobs = [], []
         while True:
             if chunk.error:
                 raise chunk_error(chunk, self.dispatch)
             parts.append(chunk.text)
+            logprobs += _logprob_pairs(chunk)
             self.completion_tokens += len(chunk.token_ids)
             if chunk.finished:
-                return "".join(parts), chunk
+                return "".join(parts), chunk, logprobs
             chunk = await self.dispatch.next_chunk()
 
     async def _stream(self, chunk: TokenChunk, shaper: Shaper, job: Job):
@@ -275,7 +278,9 @@ class Generation:
                     yield shaper.error(err)
                     return
                 self.completion_tokens += len(chunk.token_ids)
-                if chunk.text and (part := shaper.delta(chunk.text)):
+                if pairs := _logprob_pairs(chunk):
+                    shaper.add_logprobs(pairs)
+                if (chunk.text or pairs) and (part := shaper.delta(chunk.text)):
                     yield part
                 if chunk.finished:
                     usage = make_usage(chunk, len(job.prompt_ids), self.completion_tokens)
@@ -342,3 +347,8 @@ class Generation:
                     await self.state.session_turn(session, tenant, shaper.called, history)
                 except Exception as e:  # advisory: the KV stays in plain LRU order
                     self.log.warning("session turn not sent", error=str(e))
+
+
+def _logprob_pairs(chunk: TokenChunk) -> list:
+    """(token id, TokenLogprob) for each token of the chunk that came with its log-probabilities."""
+    return list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs else []

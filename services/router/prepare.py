@@ -149,7 +149,8 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                                   top_p=1.0 if parsed.top_p is None else float(parsed.top_p), seed=seed,
-                                  stop=tuple(parsed.stop), ignore_eos=bool(parsed.ignore_eos), grammar=grammar)
+                                  stop=tuple(parsed.stop), ignore_eos=bool(parsed.ignore_eos), grammar=grammar,
+                                  logprobs=parsed.logprobs)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
     conv = parsed.conversation
@@ -160,4 +161,5 @@ async def prepare(state: RouterState, request: Request, api: Api, request_id: st
     check_bus_size(state, job, api.chat)
     reads_calls = conv is not None and conv.tools and conv.tool_choice.mode != "none"
     return job, Prepared(parsed, len(prompt_ids), state.tool_format if reads_calls else None,
-                         conv.names if reads_calls else frozenset())
+                         conv.names if reads_calls else frozenset(),
+                         state.tokenizer if parsed.logprobs is not None else None)

@@ -3,9 +3,10 @@
 Validation is strict about the types of known fields (a string where a number belongs is a 400, not a
 silent coercion) and tolerant of unknown fields (ignored), as OpenAI clients send many. Chat carries tool
 calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls`, `tool` turns) and
-`response_format` (text, json_object, json_schema). OpenAI features the router does not implement
-(logprobs, legacy `functions`, n > 1, best_of, echo, suffix, image or audio parts) are a 400 naming the
-field, never silently ignored; their neutral values (n=1, logprobs=false, ...) are accepted. The models
+`response_format` (text, json_object, json_schema), and both APIs per-token `logprobs` (chat: `logprobs` +
+`top_logprobs`; completions: `logprobs` as a count). OpenAI features the router does not implement (legacy
+`functions`, n > 1, best_of, echo, suffix, image or audio parts) are a 400 naming the field, never silently
+ignored; their neutral values (n=1, echo=false, ...) are accepted. The models
 double as the request bodies of the published OpenAPI schema (app.py).
 """
 
@@ -15,9 +16,9 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from shared.engine.sampling import MAX_STOP_CHARS
+from shared.engine.sampling import MAX_LOGPROBS, MAX_STOP_CHARS
 from shared.engine.sampling import MAX_STOP_SEQUENCES as MAX_STOP
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -292,9 +293,9 @@ class _GenerationRequest(Hinted):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    # not implemented: only their neutral values are accepted
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # not implemented: only their neutral values are accepted
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -302,28 +303,46 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
-    _no_logprobs = _reject("logprobs", "logprobs are", False)
-    _no_top_logprobs = _reject("top_logprobs", "top_logprobs are", 0)
     _no_functions = _reject("functions", "functions (legacy function calling; use tools) are", [])
     _no_function_call = _reject("function_call", "function_call (legacy; use tool_choice) other than 'none' or "
                                                  "'auto' is", "none", "auto")
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (SamplingParams.logprobs); None: off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
+    logprobs: bool | Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # how many alternatives per token
     # not implemented: only their neutral values are accepted
-    logprobs: bool | int | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
-    _no_logprobs = _reject("logprobs", "logprobs are", False)
     _no_echo = _reject("echo", "echo is", False)
     _no_suffix = _reject("suffix", "suffix is", "")
     _no_best_of = _reject("best_of", "best_of other than 1 is", 1)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_count(cls, v):
+        if v is True:
+            raise ValueError(f"completions take a number of alternatives per token (0-{MAX_LOGPROBS}), not true")
+        return v
+
+    def logprobs_count(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -24,7 +24,7 @@ from shared.engine.page_warmer import PageWarmer
 from shared.engine.model import LlamaModel
 from shared.engine.models import LoadedModel
 from shared.engine.runner import ModelRunner
-from shared.engine.sampling import SamplingParams, sample
+from shared.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from shared.engine.scheduler import EngineStats, ScheduledBatch, SchedulePolicy, Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.stopping import check_stop
@@ -86,6 +86,7 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (params.logprobs)
 
 
 class GuideFailed(NamedTuple):
@@ -256,11 +257,14 @@ class Engine:
         masks = self.guides.start_masks([s.guide for s in guided]) if guided else None  # beside the forward pass
         try:
             samplers, logits = self.runner.run(batch)
+            # the rows whose requests asked for log-probabilities, copied before a grammar masks them
+            asked = [r for r, i in enumerate(samplers) if batch.seqs[i].params.logprobs is not None]
+            raw = logits[asked] if asked else None
             if masks is not None:
                 rows = {id(batch.seqs[i]): r for r, i in enumerate(samplers)}
                 self.guides.apply(logits, [rows[id(s)] for s in guided], masks.result())
             with self.lock:
-                return self._finish_batch(batch, samplers, logits)
+                return self._finish_batch(batch, samplers, logits, asked, raw)
         except Exception as e:
             with self.lock:
                 raise StepFailed(self._abort_batch(batch), e) from e
@@ -280,7 +284,10 @@ class Engine:
             failed.append(seq.request_id)
         return failed
 
-    def _finish_batch(self, batch: ScheduledBatch, samplers: list[int], logits) -> list[StepOutput]:
+    def _finish_batch(self, batch: ScheduledBatch, samplers: list[int], logits, asked: list[int],
+                      raw) -> list[StepOutput]:
+        """Samples the rows that finished their tokens; `raw`: the unmasked logits of the rows `asked`
+        (indices into samplers) whose requests want log-probabilities."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             self._register_full_blocks(seq)
@@ -288,6 +295,8 @@ class Engine:
             return []
         seqs = [batch.seqs[i] for i in samplers]
         tokens = sample(logits, [s.params for s in seqs], [s.next_generator(logits.device) for s in seqs])
+        lps = dict(zip(asked, token_logprobs(raw, [tokens[r] for r in asked],
+                                             [seqs[r].params.logprobs for r in asked]))) if asked else {}
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
             if not seq.output_ids:
@@ -295,6 +304,8 @@ class Engine:
                 if self.config.record_prompt_logits:
                     seq.prompt_logits = logits[row].clone()
             seq.token_ids.append(token)
+            if row in lps:
+                seq.output_logprobs.append(lps[row])
             if seq.guide is not None and not self._guide_accepts(seq, token):
                 continue
             old_text = seq.output_text
@@ -305,7 +316,7 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 self.sequences.pop(seq.request_id, None)
             outputs.append(StepOutput(seq.request_id, [token], seq.output_text[len(old_text):],
-                                      reason is not None, reason))
+                                      reason is not None, reason, [lps[row]] if row in lps else None))
         return outputs
 
     def _guide_accepts(self, seq: Sequence, token: int) -> bool:

@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed."""
+"""Sampling parameters and the sampler: greedy, temperature, top-p, per-request seed; and the log-probabilities
+a request may ask for with its tokens."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported where sampling runs: the router validates
 GREEDY_EPS = 1e-5
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
+MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +34,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: str = ""  # constrained decoding: an llguidance grammar (shared/engine/guide.py); "" = none
+    logprobs: int | None = None  # each output token's log-probability and this many most likely alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -54,6 +57,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("grammar must be a string")
         if self.grammar and self.ignore_eos:
             raise ValueError("a grammar ends the output itself: ignore_eos cannot be set with it")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +84,28 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         mixed = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
         return torch.Generator(device=device).manual_seed(int.from_bytes(mixed, "little") >> 1)
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output token's log-probability under the model (the log-softmax of its logits, before temperature,
+    top-p or a grammar's mask, as vLLM reports them by default), and the `logprobs` most likely tokens with
+    theirs, most likely first: what a request with SamplingParams.logprobs gets per token."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[TokenLogprob]:
+    """logits: [n, V] (the rows that asked, unmasked); tokens: the ids chosen from them; counts: the
+    alternatives each asked for. One log-softmax and one top-k on the logits' device; only the numbers
+    asked for come back."""
+    import torch
+
+    lp = torch.nan_to_num(torch.log_softmax(logits.float(), dim=-1), neginf=-9999.0)  # OpenAI's floor; JSON has no -inf
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(counts)
+    vals, ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    vals, ids = vals.tolist(), ids.tolist()
+    return [TokenLogprob(c, tuple(zip(ids[r][:n], vals[r][:n]))) for r, (c, n) in enumerate(zip(chosen, counts))]
 
 
 def _require_finite(name: str, value: object) -> None:

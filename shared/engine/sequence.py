@@ -39,6 +39,7 @@ class Sequence:
     output_text: str = ""
     finish_reason: str | None = None
     prompt_logits: torch.Tensor | None = None  # logits that chose the first token (when recorded)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per token sampled here (params.logprobs)
     guide: object | None = None  # the grammar's matcher (shared/engine/guide.py) when params.grammar is set
     num_preemptions: int = 0
     # When set, finishing hands the block table's ownership to the caller (e.g. a handoff still

@@ -34,6 +34,24 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 _NORMAL, _UNKNOWN, _CONTROL_TOKEN_TYPE, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6  # llama.cpp token types
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte alphabet, reversed: the character a byte-level BPE spells each byte with -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_GPT2_BYTE = _gpt2_byte_decoder()
 
 
 class Tokenizer:
@@ -53,6 +71,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in the output text (a special token: its name). A token that holds
+        part of a multi-byte character has those bytes alone, as OpenAI's per-token `bytes` does."""
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     @cached_property
     def _template(self):
@@ -214,6 +237,30 @@ class BPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether tokens are spelled in GPT-2's byte alphabet (a ByteLevel decoder, alone or in a sequence)."""
+        import json
+
+        dec = json.loads(self._tok.to_str()).get("decoder") or {}
+        return dec.get("type") == "ByteLevel" or any(d.get("type") == "ByteLevel" for d in dec.get("decoders", []))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:  # specials and user-defined tokens are their own text
+            return piece.encode("utf-8")
+        if self._byte_level:
+            return bytes(_GPT2_BYTE.get(c, 0) for c in piece)
+        if _BYTE_PIECE.fullmatch(piece):  # SentencePiece's byte fallback, <0xE2>
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    @cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
 
 class ByteTokenizer(Tokenizer):
     """Ids 0-255 are bytes; specials follow. For the seeded `tiny` preset (no merges to learn)."""
@@ -234,6 +281,9 @@ class ByteTokenizer(Tokenizer):
             elif piece:
                 ids.extend(piece.encode("utf-8"))
         return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else self._id_to_special.get(token_id, "").encode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out, buf = [], bytearray()

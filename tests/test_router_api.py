@@ -883,8 +883,9 @@ def test_logprobs_reach_the_prefill_and_come_back_shaped_per_api(client, fake):
 ])
 def test_bad_logprobs_are_a_400_naming_the_field(http, fake, path, extra, param):
     before = len(fake.admits)
-    body = {"model": "tiny", **({"messages": USER, "max_tokens": 4} if path == CHAT else {"prompt": "x", "max_tokens": 4}
-                                if path == COMPL else {"input": "x", "max_output_tokens": 4}), **extra}
+    base = {CHAT: {"messages": USER, "max_tokens": 4}, COMPL: {"prompt": "x", "max_tokens": 4}}.get(
+        path, {"input": "x", "max_output_tokens": 4})
+    body = {"model": "tiny", **base, **extra}
     err = assert_openai_error(http.post(path, json=body), 400)
     assert err["param"] == param
     assert len(fake.admits) == before

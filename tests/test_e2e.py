@@ -81,9 +81,10 @@ def test_chat_and_completions_equal_engine_output(system, tiny):
 
 
 def test_logprobs_through_the_system_equal_the_engine_s(system, tiny):
-    """Chat `logprobs` + `top_logprobs` and completions' `logprobs`: the first token's numbers come from prefill,
-    the rest from decode, and the second time the prompt comes from the cache; every token's log-probability and
-    alternatives equal the in-process engine's from scratch (within float noise), streamed and whole alike."""
+    """Chat `logprobs` + `top_logprobs`, the Responses API's and completions' `logprobs`: the first token's numbers
+    come from prefill, the rest from decode, and the second time the prompt comes from the cache; every token's
+    log-probability and alternatives equal the in-process engine's from scratch (within float noise), streamed
+    and whole alike."""
     _, base, _ = system
     c, tok = client(base), tiny.tokenizer
     messages = [{"role": "user", "content": QUESTION + " Answer with log-probabilities."}]
@@ -110,6 +111,10 @@ def test_logprobs_through_the_system_equal_the_engine_s(system, tiny):
                                             extra_body={"ignore_eos": True}))
     same([(bytes(e.bytes), e.logprob, [bytes(a.bytes) for a in e.top_logprobs])
           for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content], want)
+    r = c.responses.create(model="tiny", input=messages[0]["content"], max_output_tokens=12, temperature=0,
+                           top_logprobs=3, include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    same([(bytes(e.bytes), e.logprob, [bytes(a.bytes) for a in e.top_logprobs])
+          for e in r.output[0].content[0].logprobs], want)
 
     want = ref_of(tok.encode("def fibonacci(n):"))
     r = c.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=12, temperature=0, logprobs=3,

@@ -868,6 +868,26 @@ def test_logprobs_reach_the_prefill_and_come_back_shaped_per_api(client, fake):
     parts = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
     assert sum((p.tokens for p in parts), []) == lp.tokens and sum((p.text_offset for p in parts), []) == [0, 1, 2]
 
+    # the Responses API: include names them (top_logprobs: how many alternatives); on output_text and its deltas
+    raw = client.responses.with_raw_response.create(model="tiny", input="hello there", max_output_tokens=8,
+                                                    include=["message.output_text.logprobs"], top_logprobs=1)
+    r = raw.parse()
+    assert fake.submit_of(raw.headers["x-request-id"])[1].sampling.logprobs == 1
+    part = r.output[0].content[0]
+    assert [(e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in part.logprobs] == [
+        ("d", -0.5, ["d"]), ("e", -0.6, ["e"]), ("f", -0.7, ["f"])]
+    events = list(client.responses.create(model="tiny", input="hello there", max_output_tokens=8, top_logprobs=2,
+                                          stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [x.token for e in deltas for x in e.logprobs] == ["d", "e", "f"]
+    done = next(e for e in events if e.type == "response.completed").response.output[0].content[0]
+    assert [x.logprob for x in done.logprobs] == [-0.5, -0.6, -0.7]
+    plain = client.responses.create(model="tiny", input="hello there", max_output_tokens=8)
+    assert not plain.output[0].content[0].logprobs
+    r = client.responses.create(model="tiny", input="[call] weather?", tools=[{**weather["function"],
+                                "type": "function"}], max_output_tokens=64, top_logprobs=1)
+    assert [o.type for o in r.output] == ["function_call"]  # the call's tokens: no text to hold them
+
 
 @pytest.mark.parametrize("path,extra,param", [
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),                       # needs logprobs: true
@@ -878,8 +898,8 @@ def test_logprobs_reach_the_prefill_and_come_back_shaped_per_api(client, fake):
     (COMPL, {"logprobs": True}, "logprobs"),                            # completions: a count
     (COMPL, {"logprobs": 21}, "logprobs"),
     (COMPL, {"logprobs": -1}, "logprobs"),
-    ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),             # not served there: never ignored
-    ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
+    ("/v1/responses", {"top_logprobs": 21}, "top_logprobs"),
+    ("/v1/responses", {"top_logprobs": True}, "top_logprobs"),
 ])
 def test_bad_logprobs_are_a_400_naming_the_field(http, fake, path, extra, param):
     before = len(fake.admits)

@@ -3,8 +3,10 @@
 Requests: `input` as a string or items (messages with text parts, `function_call`, `function_call_output`;
 `reasoning` items are dropped), `instructions`, function `tools`, `tool_choice`, `parallel_tool_calls`,
 `max_output_tokens`, `text.format` (text, json_object, json_schema), `prompt_cache_key` / `user` (the
-session). Nothing is stored: `store: true` is answered as if false (the response cannot be fetched later),
-and `previous_response_id` is a 400. A namespace's function tools are offered as tools of their own; hosted
+session), `top_logprobs` and `include: ["message.output_text.logprobs"]` (each text token's log-probability,
+in `output_text.logprobs` and on each `output_text.delta` event; a tool call's tokens have none). Nothing is
+stored: `store: true` is answered as if false (the response cannot be fetched later), and
+`previous_response_id` is a 400. A namespace's function tools are offered as tools of their own; hosted
 tools (web search, file search, ...: run by a provider, and moorage has none) are not offered to the model;
 any other tool type is a 400 naming it.
 Answers: a `message` item with `output_text`, and `function_call` items; `status` completed, or incomplete
@@ -19,14 +21,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.router.api import Api, Output, Parsed, Prepared, Shaper
 from services.router.api_openai import sse
 from services.router.conversation import Conversation, ToolChoice, tool
 from services.router.hints import from_body
+from services.router.logprobs import LogprobRender
 from services.router.schemas import INT64_MAX, ContentPart, Hinted, OpenAIError, _Lenient, message_text
 from services.router.tool_calls import Call, Text
+from shared.engine.sampling import MAX_LOGPROBS
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class Item(_Lenient):
@@ -111,17 +117,14 @@ class ResponsesRequest(Hinted):
     text: TextOptions | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     include: list[str] | None = None
 
-    @field_validator("top_logprobs", "include")
-    @classmethod
-    def _no_logprobs(cls, v, info: ValidationInfo):
-        asked = v and (info.field_name == "top_logprobs" or "message.output_text.logprobs" in v)
-        if asked:
-            raise ValueError(f"{info.field_name}: log-probabilities are not supported by this server's Responses "
-                             "API (Chat Completions and Completions return them)")
-        return v
+    def logprobs_count(self) -> int | None:
+        """Log-probabilities are returned when `include` names them or `top_logprobs` asks for alternatives."""
+        if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     @field_validator("previous_response_id")
     @classmethod
@@ -186,6 +189,21 @@ class ResponsesShaper(Shaper):
         self.items: list[dict] = []     # output items so far (the last may still be open)
         self.text_open = False
         self.seq = 0
+        self.render = LogprobRender(prepared.tokenizer) if prepared.tokenizer is not None else None
+        self.pending: list = []         # (id, TokenLogprob) pairs not shaped yet
+
+    def add_logprobs(self, pairs) -> None:
+        self.pending.extend(pairs)
+
+    def _logprobs(self) -> list:
+        """The pending tokens' entries (chat's shape), taken. They belong to the answer's text: those of a
+        tool call's tokens are dropped with the call (`_events`)."""
+        pairs, self.pending = self.pending, []
+        return self.render.chat(pairs)["content"] if self.render is not None else []
+
+    def _text_part(self, text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [],
+                **({"logprobs": []} if self.render is not None else {})}
 
     def _response(self, status: str, usage_: dict | None = None, incomplete: str | None = None,
                   error: dict | None = None) -> dict:
@@ -215,7 +233,10 @@ class ResponsesShaper(Shaper):
         out = self.output.read_all(text)
         if out.text or not out.calls:
             item = self._message_item()
-            item.update(status="completed", content=[{"type": "output_text", "text": out.text, "annotations": []}])
+            part = self._text_part(out.text)
+            if self.render is not None:
+                part["logprobs"] = self._logprobs()
+            item.update(status="completed", content=[part])
             self.items.append(item)
         self.items += [self._call_item(c) for c in out.calls]
         status, incomplete = self._status(finish_reason)
@@ -228,7 +249,7 @@ class ResponsesShaper(Shaper):
     def _close_text(self) -> bytes:
         item, i = self.items[-1], len(self.items) - 1
         text = item["content"][0]["text"]
-        part = {"type": "output_text", "text": text, "annotations": []}
+        part = dict(item["content"][0])
         item["status"] = "completed"
         self.text_open = False
         return (self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text)
@@ -240,6 +261,7 @@ class ResponsesShaper(Shaper):
         parts = []
         for e in events:
             if isinstance(e, Call):
+                self.pending = []  # the call's own tokens: no text holds them
                 if self.text_open:
                     parts.append(self._close_text())
                 item, i = self._call_item(e), len(self.items)
@@ -257,13 +279,17 @@ class ResponsesShaper(Shaper):
                 self.items.append(item)
                 self.text_open = True
                 parts.append(self._event("response.output_item.added", output_index=i, item=dict(item, content=[])))
-                item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+                item["content"] = [self._text_part("")]
                 parts.append(self._event("response.content_part.added", item_id=item["id"], output_index=i,
                                          content_index=0, part=dict(item["content"][0])))
             item, i = self.items[-1], len(self.items) - 1
             item["content"][0]["text"] += e.text
+            logprobs = {}
+            if self.render is not None:
+                logprobs = {"logprobs": self._logprobs()}
+                item["content"][0]["logprobs"] = item["content"][0]["logprobs"] + logprobs["logprobs"]
             parts.append(self._event("response.output_text.delta", item_id=item["id"], output_index=i,
-                                     content_index=0, delta=e.text))
+                                     content_index=0, delta=e.text, **logprobs))
         return b"".join(parts)
 
     def delta(self, text: str) -> bytes:
@@ -271,6 +297,8 @@ class ResponsesShaper(Shaper):
 
     def end(self, finish_reason: str, usage_: dict) -> bytes:
         out = self._events(self.output.finish())
+        if self.text_open and self.pending:  # tokens after the last text (an ending with no text of its own)
+            self.items[-1]["content"][0]["logprobs"] += self._logprobs()
         if self.text_open:
             out += self._close_text()
         status, incomplete = self._status(finish_reason)
@@ -290,7 +318,8 @@ class Responses(Api):
         body: ResponsesRequest = self.validate(ResponsesRequest, raw)
         return Parsed(body.model, bool(body.stream), conversation=conversation(body),
                       max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                      hints=from_body(body), session_hint=body.prompt_cache_key or body.user)
+                      hints=from_body(body), session_hint=body.prompt_cache_key or body.user,
+                      logprobs=body.logprobs_count())
 
     def shaper(self, prepared: Prepared, request_id: str) -> Shaper:
         return ResponsesShaper(request_id, prepared)

@@ -53,6 +53,16 @@ def test_the_tokenizer_is_transformers(hf, text):
     assert tok.decode(ids) == hf[1].decode(ids, skip_special_tokens=True)
 
 
+def test_each_token_s_bytes_join_into_the_text(gemma):
+    """SentencePiece's spelling (▁ for a space, <0xE2> byte-fallback pieces) undone per token
+    (Tokenizer.token_bytes, what log-probabilities' `bytes` are): joined, the text's own UTF-8."""
+    tok = gemma.tokenizer
+    for text in ("Hello, wörld! 你好 🙂 — naïve café\n\tdef f(x): return x**2", "<start_of_turn>user\nhi",
+                 "𓀀𓂀 ꙮ"):  # 𓀀 and ꙮ: not in the vocabulary, so byte-fallback pieces
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == tok.decode(ids, skip_special_tokens=False).encode()
+
+
 def test_greedy_output_past_the_window_equals_transformers(gemma, hf):
     ids = gemma.tokenizer.encode(TEXT)
     assert len(ids) > 512

@@ -84,3 +84,17 @@ def test_logprobs_ride_the_bus_with_their_tokens():
     assert TokenChunk.decode(TokenChunk("r", [5], "a").encode()).logprobs is None
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"logprobs": 100}, SamplingParams)
+
+
+TEXTS = ["Hello, wörld! 你好 🙂 — naïve café\n\tdef f(x): return x**2", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)], indirect=True)
+def test_each_token_s_bytes_join_into_the_text(model):
+    """Tokenizer.token_bytes (what `bytes` and the token texts are made of): a text's tokens' bytes, joined, are
+    the text's own UTF-8, multi-byte characters split across tokens and special tokens included; Gemma's
+    SentencePiece spelling is checked in tests/test_gemma3.py."""
+    tok = model.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == tok.decode(ids, skip_special_tokens=False).encode()

@@ -252,7 +252,7 @@ class BPETokenizer(Tokenizer):
         if token_id in self._added:  # specials and user-defined tokens are their own text
             return piece.encode("utf-8")
         if self._byte_level:
-            return bytes(_GPT2_BYTE.get(c, 0) for c in piece)
+            return b"".join(bytes([_GPT2_BYTE[c]]) if c in _GPT2_BYTE else c.encode("utf-8") for c in piece)
         if _BYTE_PIECE.fullmatch(piece):  # SentencePiece's byte fallback, <0xE2>
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")

@@ -98,3 +98,17 @@ def test_each_token_s_bytes_join_into_the_text(model):
     for text in TEXTS:
         ids = tok.encode(text)
         assert b"".join(tok.token_bytes(i) for i in ids) == tok.decode(ids, skip_special_tokens=False).encode()
+
+
+def test_completion_offsets_count_the_answer_s_characters(tiny):
+    """text_offset: the characters of the answer before each token, a character split over byte tokens counted
+    where it completes, a special token (left out of the text) counted as nothing; across chunks too."""
+    from services.router.logprobs import LogprobRender
+
+    tok, lp = tiny.tokenizer, TokenLogprob(-1.0)
+    render = LogprobRender(tok)
+    ids = tok.encode("aé<|im_end|>€b")
+    first = render.completion([(i, lp) for i in ids])
+    assert first["text_offset"] == [0, 1, 1, 2, 2, 2, 2, 3]
+    assert first["tokens"][1:4] == ["bytes:\\xc3", "bytes:\\xa9", "<|im_end|>"]
+    assert render.completion([(ord("c"), lp)])["text_offset"] == [4] == [len(tok.decode(ids))]

@@ -5,7 +5,7 @@ Chat Completions (`logprobs: true`, `top_logprobs: n`): `{"content": [{token, lo
 `bytes` being the token's own UTF-8 bytes (a token that holds part of a character has just that part, and its
 `token` text is then "bytes:\\xe2\\x80", as OpenAI writes it). Completions (`logprobs: n`): `{tokens,
 token_logprobs, top_logprobs, text_offset}`, each offset the characters of the answer before the token (a
-character split over tokens counts once, where it completes).
+character split over tokens counts once, where it completes; a special token, which the text leaves out, none).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ Pairs = list[tuple[int, TokenLogprob]]  # (token id, its log-probabilities)
 class LogprobRender:
     def __init__(self, tokenizer: Tokenizer):
         self.token_bytes = tokenizer.token_bytes
+        self.specials = frozenset(tokenizer.special_tokens.values())  # not in the answer's text
         self.offset = 0  # completions: characters of the answer's tokens rendered so far
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
 
@@ -45,6 +46,7 @@ class LogprobRender:
         offsets = []
         for t, _ in pairs:
             offsets.append(self.offset)
-            self.offset += len(self._utf8.decode(self.token_bytes(t)))
+            if t not in self.specials:
+                self.offset += len(self._utf8.decode(self.token_bytes(t)))
         return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in pairs],
                 "top_logprobs": [{self.text(a): v for a, v in lp.top} for _, lp in pairs], "text_offset": offsets}

@@ -64,10 +64,17 @@ def _detail(r: LoadReport) -> str:
                 f"{d.get('objects', 0)} objects, {d.get('evictions', 0)} evicted, {d.get('restarts', 0)} restarts")
     if r.role == "store":
         return f"segment {d.get('segment_bytes', 0) // mib} MiB{' (huge pages)' if d.get('hugepages') else ''}"
-    if r.role == "prefill" and d.get("pool"):
-        p = d["pool"]
-        return (f"pool: {p.get('restored_chunks', 0)} chunks restored, {p.get('saved_chunks', 0)} saved, "
-                f"{p.get('verify_failures', 0)} rejected")
+    if r.role == "prefill":
+        parts = []
+        if d.get("ranks"):  # prefill.pp > 1: each rank's layers and process
+            parts.append("ranks: " + ", ".join(
+                f"{k['rank']}:L{k['layers'][0]}-{k['layers'][1]} pid {k['pid']}{'' if k['alive'] else ' (dead)'}"
+                for k in d["ranks"]) + f" (bubble {d.get('pipeline', {}).get('bubble', 0):.0%})")
+        if d.get("pool"):
+            p = d["pool"]
+            parts.append(f"pool: {p.get('restored_chunks', 0)} chunks restored, {p.get('saved_chunks', 0)} saved, "
+                         f"{p.get('verify_failures', 0)} rejected")
+        return "; ".join(parts)
     if r.role == "decode":
         return f"{d.get('landing', 0)} landing, {d.get('preemptions', 0)} preemptions"
     return ""

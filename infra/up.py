@@ -127,6 +127,17 @@ def _sized_by_up(engine) -> bool:
     return engine.num_blocks == 0 and engine.kv_memory == "auto"
 
 
+def check_layout(cfg: UpConfig) -> None:
+    """Refuse, before anything starts, a parallel layout the model cannot take (naming the key and the limit)."""
+    if cfg.prefill.pp > 1:
+        from shared.engine.models import load_model_meta
+
+        layers = load_model_meta(cfg.up.model)[1].num_layers
+        if cfg.prefill.pp > layers:
+            raise ConfigError(f"prefill.pp = {cfg.prefill.pp}: more pipeline ranks than {cfg.up.model}'s {layers} "
+                              "layers (each rank holds at least one layer)")
+
+
 def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
          credential: NatsCredential | None = None, router_fd: int = -1) -> list[tuple[str, str, object]]:
     """(instance, service module, config) in start order; stop order is the reverse. Engines whose KV is
@@ -134,6 +145,7 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
     gets `credential` (the embedded bus's) as its bus user/password; the router serves on `router_fd`
     (the launcher's listening socket) when it is given."""
     up = cfg.up
+    check_layout(cfg)
     if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
         kv = measure_kv(cfg)
 

@@ -71,6 +71,14 @@ class ServiceContext:
     http_url: str = ""     # where /health and /metrics answer ("" when http.port is -1)
     started_at: float = field(default_factory=time.time)
     boot: str = field(default_factory=process_boot)  # this process's incarnation
+    exit_code: int = 0  # what the process exits with once stopped: non-zero asks its supervisor for a restart
+
+    def fail(self, reason: str, code: int = 1) -> None:
+        """Stop the service and exit with `code`: it cannot go on (a pipeline rank died), a restart may."""
+        if not self.exit_code:
+            get_logger(self.role).error("service failed: stopping for a restart", reason=reason, exit_code=code)
+            self.exit_code = code
+        self.stop.set()
 
     @property
     def log(self):
@@ -168,8 +176,8 @@ async def _run(role: str, config: Any, serve: Callable[[ServiceContext], Awaitab
         await bus.close()
         await ops.stop()
         shutdown_tracing()
-        log.info("stopped")
-    return 0
+        log.info("stopped", exit_code=ctx.exit_code)
+    return ctx.exit_code
 
 
 def parse_service_args(role: str, config_cls: type, argv: list[str] | None = None):

@@ -18,5 +18,7 @@ class DecodeConfig(ServiceConfig):
     holdings_grace_s: float = 5.0   # a request its router's Holdings no longer list is ended once this old (its router was restarted)
 
     def __post_init__(self) -> None:
+        if self.engine.pp > 1:
+            raise ConfigError(f"decode.engine.pp = {self.engine.pp}: pipeline ranks are prefill's (prefill.pp)")
         if self.holdings_grace_s < 0:
             raise ConfigError(f"holdings_grace_s must be >= 0, got {self.holdings_grace_s}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.config import ConfigError
 from shared.engine.engine import EngineConfig
@@ -58,8 +58,19 @@ class PrefillConfig(ServiceConfig):
     pool: PoolSettings = field(default_factory=PoolSettings)
     assign_timeout_s: float = 45.0  # a request submitted before its admission (no decode yet) waits this long for its DecodeAssign, then fails (above router.admission_timeout_s)
     holdings_grace_s: float = 5.0   # a request its router's Holdings no longer list is ended once this old (its router was restarted)
+    pp: int = 1                     # pipeline-parallel ranks: this instance runs as pp processes, one per contiguous layer span (stage), shared/engine/pipeline.py; CPU only so far
 
     def __post_init__(self) -> None:
+        if self.pp < 1:
+            raise ConfigError(f"prefill.pp must be >= 1, got {self.pp}")
+        if self.pp > 1 or self.engine.pp > 1:
+            if self.engine.pp not in (1, self.pp) or self.engine.stages not in (1, self.pp):
+                raise ConfigError(f"prefill.pp ({self.pp}) sets engine.pp and engine.stages: leave them unset "
+                                  f"(got {self.engine.pp} and {self.engine.stages})")
+            try:
+                self.engine = replace(self.engine, pp=self.pp, stages=self.pp)
+            except ValueError as e:
+                raise ConfigError(f"prefill.pp = {self.pp}: {e}") from None
         if self.assign_timeout_s <= 0:
             raise ConfigError(f"assign_timeout_s must be positive, got {self.assign_timeout_s}")
         if self.holdings_grace_s < 0:

@@ -420,6 +420,14 @@ class PrefillService:
                 self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
                                              transferred)
 
+    async def on_ranks_lost(self, reason: str) -> None:
+        """A pipeline rank died: every request here fails now, with the reason, then the instance stops and exits
+        non-zero so that its supervisor restarts it with all its ranks (shared/engine/pipeline.py)."""
+        for rid in list(self.pending):
+            await self._fail(rid, 503, f"prefill instance {self.ctx.instance} lost a pipeline rank and restarts: "
+                                       f"{reason}")
+        self.ctx.fail(reason)
+
     async def _fail(self, rid: str, status: int, message: str) -> None:
         with contextlib.suppress(Exception):
             await self.bus.publish(self.bus.subjects.cancel(rid), Cancel(rid, message))  # frees decode's landing
@@ -441,7 +449,9 @@ class PrefillService:
                            if self.pool else None,
                            "pool_dtype": str(self.pool.pool_dtype).removeprefix("torch.") if self.pool else None,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
-                           "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy})
+                           "failed_steps": self.loop.failed_steps, "unhealthy": unhealthy,
+                           **({"ranks": e.pipeline.ranks(), "pipeline": e.pipeline.stats.as_dict()}
+                              if e.pipeline is not None else {})})
 
     async def stop(self) -> None:
         for task in list(self.tasks):
@@ -454,13 +464,20 @@ async def serve(ctx: ServiceContext) -> None:
     cfg = ctx.config
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
     events = KVEventPublisher(ctx.bus, ctx.instance)
-    engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)
+    engine = Engine(loaded, cfg.engine, on_kv_event=events.emit)  # prefill.pp > 1: its ranks are started here
     loaded.release_weights()  # the engine holds its own copy
+    ctx.on_stop.append(lambda: asyncio.to_thread(engine.close))  # hooks run last-added first: this one last
     transport = cfg.transfer.make_transport()
     sender = HandoffSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer)
     direct = DirectSender(ctx.bus, ctx.instance, engine.layout, engine.pages, transport, cfg.transfer,
                           engine.block_manager.generation)
     svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s, direct)
+    if engine.pipeline is not None:  # a rank lost: this instance exits non-zero and is restarted, ranks and all
+        running = asyncio.get_running_loop()
+        engine.pipeline.on_lost.append(
+            lambda reason: running.call_soon_threadsafe(lambda: svc._spawn(svc.on_ranks_lost(reason))))
+        if engine.pipeline.lost is not None:  # died while the rest was being set up
+            svc._spawn(svc.on_ranks_lost(engine.pipeline.lost))
     svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector

@@ -44,6 +44,7 @@ class EngineConfig:
     num_blocks: int = 0               # KV capacity = num_blocks * block_size tokens; 0 = sized by kv_memory
     kv_memory: str = "auto"           # when num_blocks is 0: "40%" of the memory free after the model loads, a size ("6GiB"), or auto (40%; `moorage up` splits the host)
     stages: int = 1                   # pipeline stages the KV pool is split into
+    pp: int = 1                       # pipeline ranks: one process per stage (stages = pp), shared/engine/pipeline.py; prefill sets it from prefill.pp
     max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
     max_num_seqs: int = 32            # sequences running at once (continuous batching width)
     schedule: str = "srpf"            # prefill order: srpf (shortest remaining prefill first, aged) or fcfs
@@ -65,6 +66,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         warm_ahead_bytes(self.kv_warm_ahead, 1)  # raises ValueError on a bad value
+        if self.pp < 1:
+            raise ValueError(f"pp must be >= 1, got {self.pp}")
+        if self.pp > 1:
+            if self.stages not in (1, self.pp):
+                raise ValueError(f"engine.stages ({self.stages}) must equal pp ({self.pp}): a rank holds one stage")
+            self.stages = self.pp
+            if self.device != "cpu":
+                raise ValueError(f"pp > 1 runs its ranks on the CPU only so far (engine.device={self.device!r}): "
+                                 "a rank's own transfer and pool endpoints for device pages are not built yet")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs with pp > 1: decode graphs replay one process's whole model")
         if not 0.0 <= self.retained_fraction <= 1.0:
             raise ValueError(f"engine.retained_fraction must be in [0, 1], got {self.retained_fraction}")
 
@@ -109,11 +121,14 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         mc = loaded.config
+        if cfg.pp > mc.num_layers:
+            raise ValueError(f"prefill.pp = {cfg.pp}: more pipeline ranks than the model's {mc.num_layers} layers")
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                dtype=_DTYPES[cfg.kv_dtype or cfg.dtype], stages=cfg.stages,
                                chunk_tokens=cfg.chunk_tokens)
         self.namespace = self.layout.fingerprint(loaded.model_id, cfg.tenant_salt)
-        self.model = LlamaModel(mc, loaded.weights, self.layout, cfg.device, _DTYPES[cfg.dtype])
+        self.model = LlamaModel(mc, loaded.weights, self.layout, cfg.device, _DTYPES[cfg.dtype],
+                                layers=self.layout.stage_layers(0) if cfg.pp > 1 else None)
         # sized after the model is in memory, so a share of what is free counts what it took
         self.kv_sizing = size_kv(cfg.num_blocks, cfg.kv_memory, self.layout.block_size * self.layout.bytes_per_token,
                                  cfg.device)
@@ -121,7 +136,13 @@ class Engine:
         log.info("kv cache", blocks=cfg.num_blocks, tokens=self.kv_sizing.tokens(self.layout.block_size),
                  gib=round(self.kv_sizing.bytes / (1 << 30), 3), sized_by=self.kv_sizing.how)
         # decode graphs: one page past the block manager's for the padded rows (see decode_graphs.py)
-        self.pages = allocate_pages(self.layout, cfg.num_blocks + (1 if cfg.cuda_graphs else 0), cfg.device)
+        self.pipeline = None  # StageGroup: ranks 1..pp-1 (pp > 1)
+        if cfg.pp > 1:
+            from shared.engine.pipeline import shared_pages
+
+            self.pages = shared_pages(self.layout, cfg.num_blocks)
+        else:
+            self.pages = allocate_pages(self.layout, cfg.num_blocks + (1 if cfg.cuda_graphs else 0), cfg.device)
         self.block_manager = BlockManager(cfg.num_blocks, self.layout.block_size, namespace_seed(self.namespace),
                                           on_kv_event, int(cfg.num_blocks * cfg.retained_fraction))
         block_bytes = self.layout.block_size * self.layout.bytes_per_token
@@ -131,7 +152,13 @@ class Engine:
                                    cfg.enable_prefix_cache, SchedulePolicy.from_config(cfg))
         graphs = DecodeGraphs(self.model, self.pages, self.layout.block_size, cfg.num_blocks, cfg.max_num_seqs,
                               mc.max_context) if cfg.cuda_graphs else None
-        self.runner = ModelRunner(self.model, self.pages, self.layout.block_size, graphs)
+        if cfg.pp > 1:
+            from shared.engine.pipeline import PipelineRunner, StageGroup
+
+            self.pipeline = StageGroup(mc, loaded.weights, self.layout, self.pages, cfg.device, _DTYPES[cfg.dtype])
+            self.runner = PipelineRunner(self.model, self.pages, self.layout.block_size, self.pipeline)
+        else:
+            self.runner = ModelRunner(self.model, self.pages, self.layout.block_size, graphs)
         if graphs is not None and cfg.cuda_graphs_ahead:
             graphs.record_all()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
@@ -144,6 +171,11 @@ class Engine:
         # requests whose prompt the step about to run completes: prefill asks decode for their pages
         # while it computes (services/prefill/main.py). None: nobody listens.
         self.on_prefill_ending: Callable[[list[str]], None] | None = None
+
+    def close(self) -> None:
+        """Stops what the engine started outside this process (pipeline ranks). Idempotent."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     @property
     def stats(self) -> EngineStats:

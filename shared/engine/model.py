@@ -4,7 +4,9 @@ norms on the attention's and the MLP's outputs, GeGLU, embeddings scaled by
 sqrt(hidden), and local layers with a sliding window and a RoPE base of their own).
 
 The model is stateless between calls: all KV lives in the page pool passed to `forward`, one tensor per
-pipeline stage (see shared/kv_layout.py). Layer l reads and writes pages[stage_of(l)][:, local(l)]. A
+pipeline stage (see shared/kv_layout.py). Layer l reads and writes pages[stage_of(l)][:, local(l)].
+A pipeline rank holds only its stage's layers (`layers`, shared/engine/pipeline.py): `run_layers` runs them
+on the hidden states the previous rank sent; `forward` is embed -> run_layers -> final norm over them all. A
 sliding-window layer keeps every token's KV like the others (the prefix cache, the pool and the handoff
 are unchanged) and only attends to the last `window` of them.
 """
@@ -60,17 +62,22 @@ def _rows_only(batch: AttentionBatch, rows: list[int]) -> AttentionBatch:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attention: AttentionKernels | None = None):
+                 attention: AttentionKernels | None = None, layers: range | None = None):
         if layout.num_layers != config.num_layers or layout.num_kv_heads != config.num_kv_heads \
                 or layout.head_dim != config.head_dim:
             raise ValueError("KV layout does not match the model config")
         self.config, self.layout, self.device, self.dtype = config, layout, torch.device(device), dtype
-        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
-        expected = self.expected_weight_names()
+        self.span = layers if layers is not None else range(config.num_layers)
+        if not (0 <= self.span.start <= self.span.stop <= config.num_layers and self.span.step == 1):
+            raise ValueError(f"layer span {self.span} not within the model's {config.num_layers} layers")
+        expected = [n for n in self.expected_weight_names()
+                    if not n.startswith("layers.") or int(n.split(".")[1]) in self.span]
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()
+             if not k.startswith("layers.") or int(k.split(".")[1]) in self.span}
         missing = [k for k in expected if k not in w]
         if missing:
             raise ValueError(f"missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        unknown = sorted(set(w) - set(expected))
+        unknown = sorted(set(w) - set(self.expected_weight_names()))
         if unknown:  # never dropped without a word: a tensor this architecture does not use
             raise ValueError(f"weights this {config.arch} model does not use: {unknown[:5]}"
                              f"{'...' if len(unknown) > 5 else ''}")
@@ -80,7 +87,7 @@ class LlamaModel:
         self.embed_scale = config.hidden_size ** 0.5 if config.gemma else None
         # Fused projections: one matmul for q|k|v and one for gate|up.
         self.layers = []
-        for i in range(config.num_layers):
+        for i in self.span:
             p = f"layers.{i}."
             layer = {
                 "in_norm": w[p + "input_layernorm"],
@@ -122,17 +129,31 @@ class LlamaModel:
         states come back, [len(out_rows), hidden], and the last layer runs its attention, output projection
         and MLP for them alone (every row's K/V is still written: a prompt's other rows feed nothing after
         the last layer's K/V)."""
-        c = self.config
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        return self.final_norm(self.run_layers(self.embed_tokens(input_ids), positions, batch, pages, out_rows))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed[input_ids]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # Gemma: rounded to the compute dtype first
-        last = len(self.layers) - 1
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.norm, self.config.rms_eps)
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                   pages: list[torch.Tensor | None], out_rows: list[int] | None = None) -> torch.Tensor:
+        """This model's layers (`span`) on hidden states x [T, hidden]. `out_rows` acts in the model's last
+        layer only (see forward): a span that holds it returns those rows alone. `pages` needs only the
+        entries of the stages these layers live in."""
+        c = self.config
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        last = c.num_layers - 1
         if out_rows is not None and batch.prefill is None:
             raise ValueError("out_rows is for a prefill batch (every decode row samples)")
         tables = self.rope.tables(positions)
         local_tables = self.local_rope.tables(positions) if self.local_rope is not None else None
-        for i, L in enumerate(self.layers):
+        for i, L in zip(self.span, self.layers):
             stage, local = self.layer_stage[i]
             window = self.windows[i]
             h = rms_norm(x, L["in_norm"], c.rms_eps)
@@ -158,7 +179,7 @@ class LlamaModel:
             act = F.gelu(gate, approximate="tanh") if c.gemma else F.silu(gate)
             m = F.linear(act * up, L["down"])
             x = x + (rms_norm(m, L["mlp_out_norm"], c.rms_eps) if c.gemma else m)
-        return rms_norm(x, self.norm, c.rms_eps)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

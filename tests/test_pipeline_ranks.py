@@ -15,7 +15,8 @@ from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
 from shared.config import ConfigError, load_config
 from shared.engine.engine import Engine, EngineConfig, StepFailed
-from shared.engine.pipeline import MIN_MICROBATCH_ROWS, RanksLost, cut_microbatches
+from shared.engine.pipeline import MIN_MICROBATCH_ROWS, cut_microbatches
+from shared.engine.ranks import RanksLost
 from shared.engine.runner import StepInputs
 from shared.engine.sampling import SamplingParams
 
@@ -108,7 +109,7 @@ def test_rank_killed_while_idle_ends_the_group_at_once(tiny):
     try:
         os.kill(engine.pipeline.procs[0].pid, 9)
         assert _wait_for(lambda: lost, 1.0) < 1.0
-        assert "rank 1" in lost[0] and "-9" in lost[0]
+        assert "pipeline rank 1" in lost[0] and "-9" in lost[0]
         engine.add_request("r", prompts(1)[0], GREEDY)
         with pytest.raises(StepFailed) as e:
             engine.step()

@@ -28,7 +28,7 @@ from shared.engine.sampling import SamplingParams, TokenLogprob, sample, token_l
 from shared.engine.scheduler import EngineStats, ScheduledBatch, SchedulePolicy, Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.stopping import check_stop
-from shared.hashing import namespace_seed
+from shared.hashing import BLOCK_TOKENS, namespace_seed
 from shared.kv_events import KVEvent
 from shared.kv_layout import KVLayout, allocate_pages
 from shared.kv_tenant import KVNamespace
@@ -45,6 +45,7 @@ class EngineConfig:
     kv_memory: str = "auto"           # when num_blocks is 0: "40%" of the memory free after the model loads, a size ("6GiB"), or auto (40%; `moorage up` splits the host)
     stages: int = 1                   # pipeline stages the KV pool is split into
     pp: int = 1                       # pipeline ranks: one process per stage (stages = pp), shared/engine/pipeline.py; prefill sets it from prefill.pp
+    dcp: int = 1                      # context-parallel ranks: rank r holds tokens t % dcp == r (shared/engine/context_parallel.py); decode sets it from decode.dcp
     max_batched_tokens: int = 2048    # prefill tokens per step (chunked prefill)
     max_num_seqs: int = 32            # sequences running at once (continuous batching width)
     schedule: str = "srpf"            # prefill order: srpf (shortest remaining prefill first, aged) or fcfs
@@ -77,6 +78,15 @@ class EngineConfig:
                                  "a rank's own transfer and pool endpoints for device pages are not built yet")
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs with pp > 1: decode graphs replay one process's whole model")
+        if self.dcp < 1 or BLOCK_TOKENS % self.dcp:
+            raise ValueError(f"dcp must divide the block size {BLOCK_TOKENS} (1, 2, 4, 8 or 16), got {self.dcp}")
+        if self.dcp > 1:
+            if self.pp > 1 or self.stages > 1:
+                raise ValueError("dcp > 1 holds every layer on every rank: pp and stages stay 1")
+            if self.device != "cpu":
+                raise ValueError(f"dcp > 1 runs its ranks on the CPU only so far (engine.device={self.device!r})")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs with dcp > 1: decode graphs replay one process's whole model")
         if not 0.0 <= self.retained_fraction <= 1.0:
             raise ValueError(f"engine.retained_fraction must be in [0, 1], got {self.retained_fraction}")
 
@@ -137,7 +147,12 @@ class Engine:
                  gib=round(self.kv_sizing.bytes / (1 << 30), 3), sized_by=self.kv_sizing.how)
         # decode graphs: one page past the block manager's for the padded rows (see decode_graphs.py)
         self.pipeline = None  # StageGroup: ranks 1..pp-1 (pp > 1)
-        if cfg.pp > 1:
+        self.context = None   # DcpGroup: ranks 1..dcp-1 (dcp > 1)
+        if cfg.dcp > 1:
+            from shared.engine.context_parallel import rank_pages
+
+            self.pages = rank_pages(self.layout, cfg.dcp, cfg.num_blocks)  # rank r's page: its 1/dcp of each block
+        elif cfg.pp > 1:
             from shared.engine.pipeline import shared_pages
 
             self.pages = shared_pages(self.layout, cfg.num_blocks)
@@ -152,7 +167,13 @@ class Engine:
                                    cfg.enable_prefix_cache, SchedulePolicy.from_config(cfg))
         graphs = DecodeGraphs(self.model, self.pages, self.layout.block_size, cfg.num_blocks, cfg.max_num_seqs,
                               mc.max_context) if cfg.cuda_graphs else None
-        if cfg.pp > 1:
+        if cfg.dcp > 1:
+            from shared.engine.context_parallel import DcpGroup, DcpRunner
+
+            self.context = DcpGroup(self.layout, cfg.dcp, self.pages, mc.num_heads, self.model.scale,
+                                    self.model.windows)
+            self.runner = DcpRunner(self.model, self.pages, self.layout.block_size, self.context)
+        elif cfg.pp > 1:
             from shared.engine.pipeline import PipelineRunner, StageGroup
 
             self.pipeline = StageGroup(mc, loaded.weights, self.layout, self.pages, cfg.device, _DTYPES[cfg.dtype])
@@ -174,8 +195,9 @@ class Engine:
 
     def close(self) -> None:
         """Stops what the engine started outside this process (pipeline ranks). Idempotent."""
-        if self.pipeline is not None:
-            self.pipeline.close()
+        for group in (self.pipeline, self.context):
+            if group is not None:
+                group.close()
 
     @property
     def stats(self) -> EngineStats:

@@ -117,6 +117,8 @@ class LlamaModel:
         self.layer_stage = [layout.stage_of_layer(i) for i in range(config.num_layers)]
         # paged attention backend (MOORAGE_ATTN_KERNELS or auto); replace the attribute to switch
         self.attention = attention or get_attention_kernels(self.device)
+        # context-parallel decode (shared/engine/context_parallel.py): writes and attends through the ranks
+        self.context = None
 
     def expected_weight_names(self) -> list[str]:
         return expected_weight_names(self.config)
@@ -167,11 +169,15 @@ class LlamaModel:
                 # q and k heads side by side in qkv: one RoPE pass over [T, hq + hkv, d] (a strided view)
                 qk = self.rope.apply(qkv[:, :(hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
-            write_kv(pages[stage], local, batch, k, qkv[:, (hq + hkv) * d:].view(-1, hkv, d))
-            if out_rows is not None and i == last:
-                batch, rows = _rows_only(batch, out_rows), torch.tensor(out_rows, dtype=torch.long, device=x.device)
-                q, x = q[rows], x[rows]
-            attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention, window)
+            v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+            if self.context is not None:  # every row, every layer: the ranks' shares merged
+                attn = self.context.attend(i, q, k, v, self.scale, window)
+            else:
+                write_kv(pages[stage], local, batch, k, v)
+                if out_rows is not None and i == last:
+                    batch, rows = _rows_only(batch, out_rows), torch.tensor(out_rows, dtype=torch.long, device=x.device)
+                    q, x = q[rows], x[rows]
+                attn = paged_attention(q, pages[stage], local, batch, self.scale, self.attention, window)
             o = F.linear(attn.reshape(-1, hq * d), L["o"])
             x = x + (rms_norm(o, L["attn_out_norm"], c.rms_eps) if c.gemma else o)
             h = rms_norm(x, L["mlp_norm"], c.rms_eps)

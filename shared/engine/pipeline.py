@@ -17,32 +17,23 @@ write stage pages by block) run in rank 0 as with one process. A rank's own tran
 endpoints (a GPU's pages, which another process cannot map) are the next step; until then a device other
 than the CPU is refused with pp > 1.
 
-A rank that dies ends the group: the watcher kills the others (so no rank waits on a dead peer), the step
-in flight fails with `RanksLost` (its requests end with that error), and `lost` says why; the prefill
-service then exits non-zero so its supervisor restarts the instance, ranks included, as a unit. A rank dies
-with rank 0 (PR_SET_PDEATHSIG).
+A rank that dies ends the group (shared/engine/ranks.py): the step in flight fails with `RanksLost` (its
+requests end with that error), and `lost` says why; the prefill service then exits non-zero so its
+supervisor restarts the instance, ranks included, as a unit.
 """
 
 from __future__ import annotations
 
-import ctypes
-import datetime
 import math
-import multiprocessing as mp
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
-import torch.distributed as dist
 
-from shared.engine.attention import AttentionBatch
 from shared.engine.model import LlamaModel
 from shared.engine.model_config import ModelConfig
+from shared.engine.ranks import RankGroup, shared_storage, wait_all
 from shared.engine.runner import ModelRunner, StepInputs
 from shared.kv_layout import KVLayout
 from shared.logging import get_logger
@@ -51,13 +42,7 @@ log = get_logger("engine.pipeline")
 
 STOP, STEP = 0, 1
 MIN_MICROBATCH_ROWS = 32   # a prefill step is cut into P micro-batches only when each gets this many rows
-JOIN_TIMEOUT_S = 120.0     # how long ranks may take to start and join the group
-OP_TIMEOUT_S = 600.0       # a send or receive that waits this long fails (a live peer answers within a step)
 _TAG_DOWN, _TAG_BACK = 1, 2
-
-
-class RanksLost(RuntimeError):
-    """A pipeline rank exited: the group can run no more steps."""
 
 
 class Plan(msgspec.Struct, array_like=True):
@@ -100,14 +85,8 @@ def cut_microbatches(inp: StepInputs, parts: int) -> list[tuple[range, Plan]]:
 
 
 def shared_pages(layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
-    """allocate_pages in shared memory: one tensor per stage that a rank process can map (passed to it as
-    an argument); zero until first written, like allocate_pages' calloc."""
-    pages = []
-    for s in range(layout.stages):
-        shape = layout.page_shape(s, num_blocks)
-        storage = torch.UntypedStorage._new_shared(math.prod(shape) * layout.elem_bytes)
-        pages.append(torch.empty(0, dtype=layout.dtype).set_(storage).view(shape))
-    return pages
+    """allocate_pages in shared memory: one tensor per stage, which its rank maps."""
+    return [shared_storage(layout.page_shape(s, num_blocks), layout.dtype) for s in range(layout.stages)]
 
 
 @dataclass
@@ -141,89 +120,33 @@ def _send_plan(pg, dst: int, plan_raw: bytes, x: torch.Tensor) -> list:
             (head, raw, x)]
 
 
-def _wait(works: list) -> None:
-    for w in works:
-        if hasattr(w, "wait"):
-            w.wait()
-
-
-class StageGroup:
+class StageGroup(RankGroup):
     """Rank 0's handle on ranks 1..P-1: starts them, passes micro-batches, watches them, stops them."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
                  pages: list[torch.Tensor], device: str, dtype: torch.dtype, threads: int = 0):
-        self.layout, self.world = layout, layout.stages
+        self.layout = layout
         self.hidden_size, self.dtype = config.hidden_size, dtype
-        self.lost: str | None = None
-        self.on_lost: list[Callable[[str], None]] = []
-        self.stats = PipelineStats(busy_ms=[0.0] * self.world)
-        self._closing = False
-        self._lost_named = threading.Event()
-        threads = threads or max(1, (os.cpu_count() or 1) // self.world)
-        store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
-                              wait_for_workers=False)
-        ctx = mp.get_context("spawn")
-        self.procs = []
-        for r in range(1, self.world):
+        self.stats = PipelineStats(busy_ms=[0.0] * layout.stages)
+
+        def args_of(r: int) -> tuple:
             span = layout.stage_layers(r)
             mine = {k: v for k, v in weights.items() if _layer_of(k) in span}
-            p = ctx.Process(target=_rank_main, name=f"pp-rank-{r}", daemon=True,
-                            args=(r, self.world, store.port, config, mine, layout, pages[r], device, str(dtype),
-                                  threads, os.getpid()))
-            p.start()
-            self.procs.append(p)
-        self._store = store
-        try:
-            self.pg = dist.ProcessGroupGloo(store, 0, self.world, datetime.timedelta(seconds=OP_TIMEOUT_S))
-        except Exception:
-            self._kill_all()
-            raise
-        self._stop_r, self._stop_w = os.pipe()
-        self._watcher = threading.Thread(target=self._watch, name="pp-watch", daemon=True)
-        self._watcher.start()
-        log.info("pipeline ranks up", ranks=self.world, pids=[os.getpid()] + [p.pid for p in self.procs],
-                 layers=[[s.start, s.stop] for s in map(layout.stage_layers, range(self.world))], threads=threads)
+            return config, mine, layout, pages[r], device, str(dtype)
+
+        super().__init__("pipeline", layout.stages, _rank_main, args_of, threads)
+        log.info("pipeline ranks up", ranks=self.world, pids=self.pids, threads=self.threads,
+                 layers=[[s.start, s.stop] for s in map(layout.stage_layers, range(self.world))])
 
     def ranks(self) -> list[dict]:
         """Each rank: its process, layer span and whether it runs (`moorage status`)."""
-        pids = [(os.getpid(), True)] + [(p.pid, p.is_alive()) for p in self.procs]
+        spans = map(self.layout.stage_layers, range(self.world))
         return [{"rank": r, "pid": pid, "layers": [span.start, span.stop - 1], "alive": alive}
-                for r, ((pid, alive), span) in enumerate(zip(pids, map(self.layout.stage_layers, range(self.world))))]
-
-    def _watch(self) -> None:
-        from multiprocessing.connection import wait
-
-        waiting = {p.sentinel: p for p in self.procs}
-        while waiting:
-            ready = wait(list(waiting) + [self._stop_r])
-            if self._stop_r in ready:
-                return
-            for s in ready:
-                p = waiting.pop(s)
-                p.join(1.0)  # the sentinel fires before the exit code is collected
-                if not self._closing and self.lost is None:
-                    self._lose(f"pipeline rank {self.procs.index(p) + 1} (pid {p.pid}) exited with code {p.exitcode}")
-
-    def _lose(self, reason: str) -> None:
-        self.lost = reason
-        self._lost_named.set()
-        log.error("pipeline rank lost: the instance's ranks stop", reason=reason)
-        self._kill_all()  # no rank then waits on a dead peer: every pending send and receive fails
-        for cb in list(self.on_lost):
-            try:
-                cb(reason)
-            except Exception:
-                log.exception("on_lost callback failed")
-
-    def _kill_all(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+                for r, (pid, alive, span) in enumerate(zip(self.pids, self.alive(), spans))]
 
     def forward(self, model: LlamaModel, runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
         """The step's final hidden states of its sampling rows (every row for a decode step)."""
-        if self.lost is not None:
-            raise RanksLost(self.lost)
+        self.check()
         t0 = time.perf_counter()
         parts = cut_microbatches(inp, self.world)
         backs, sent = [], []
@@ -241,7 +164,7 @@ class StageGroup:
                 x = model.run_layers(model.embed_tokens(runner._tensor(sub.ids)), runner._tensor(sub.positions),
                                      runner.attention(sub), runner.pages)
                 own += (time.perf_counter() - c0) * 1e3
-                _wait(sent)  # the previous micro-batch is on its way before this one's buffers go out
+                wait_all(sent)  # the previous micro-batch is on its way before this one's buffers go out
                 sent = _send_plan(self.pg, 1, msgspec.msgpack.encode(plan), x)
             results = []
             for out, busy, w_busy, w_out in backs:
@@ -251,10 +174,9 @@ class StageGroup:
                 for r in range(1, self.world):
                     self.stats.busy_ms[r] += float(busy[r - 1])
                 results.append(out)
-            _wait(sent)
-        except Exception as e:  # a peer gone: the watcher names which (its sentinel fires within milliseconds)
-            self._lost_named.wait(1.0)
-            raise RanksLost(self.lost or f"pipeline exchange failed: {e}") from e
+            wait_all(sent)
+        except Exception as e:  # a peer gone: the watcher names which
+            raise self.failed(e) from e
         self.stats.busy_ms[0] += own
         self.stats.steps += 1
         self.stats.microbatches += len(parts)
@@ -263,21 +185,7 @@ class StageGroup:
 
     def close(self) -> None:
         """Stops every rank (a STOP passed down the pipe, then a kill for any that lingers)."""
-        if self._closing:
-            return
-        self._closing = True
-        os.write(self._stop_w, b"x")
-        if self.lost is None:
-            try:
-                self.pg.send([_header(STOP, 0, 0)], 1, _TAG_DOWN).wait()
-            except Exception:
-                pass
-        deadline = time.monotonic() + 5.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        self._kill_all()
-        for p in self.procs:
-            p.join(1.0)
+        super().close(lambda: self.pg.send([_header(STOP, 0, 0)], 1, _TAG_DOWN).wait())
 
 
 def _layer_of(name: str) -> int:
@@ -297,26 +205,12 @@ class PipelineRunner(ModelRunner):
 
 # ---- ranks 1..P-1 ---------------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _rank_main(rank: int, world: int, port: int, config: ModelConfig, weights: dict[str, torch.Tensor],
-               layout: KVLayout, page: torch.Tensor, device: str, dtype: str, threads: int, parent: int) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the instance's process to act on
-    if os.getppid() != parent:  # rank 0 died before the death signal was set
-        os._exit(1)
-    torch.set_num_threads(threads)
+def _rank_main(pg, rank: int, world: int, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
+               page: torch.Tensor, device: str, dtype: str) -> None:
     model = LlamaModel(config, _full_names(config, weights), layout, device, getattr(torch, dtype.split(".")[-1]),
                        layers=layout.stage_layers(rank))
     pages: list = [None] * world
     pages[rank] = page
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-    pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=OP_TIMEOUT_S))
     runner = ModelRunner(model, pages, layout.block_size)
     last = rank == world - 1
     sent: list = []
@@ -325,7 +219,7 @@ def _rank_main(rank: int, world: int, port: int, config: ModelConfig, weights: d
         pg.recv([head], rank - 1, _TAG_DOWN).wait()
         op, nbytes, rows = (int(v) for v in head)
         if op == STOP:
-            _wait(sent)
+            wait_all(sent)
             if not last:
                 pg.send([head], rank + 1, _TAG_DOWN).wait()
             return
@@ -339,7 +233,7 @@ def _rank_main(rank: int, world: int, port: int, config: ModelConfig, weights: d
         x = model.run_layers(x, runner._tensor(plan.positions), runner.attention(sub), pages,
                              plan.out_rows if last else None)
         plan.busy_ms.append((time.perf_counter() - c0) * 1e3)
-        _wait(sent)
+        wait_all(sent)
         if last:
             busy = torch.tensor(plan.busy_ms, dtype=torch.float64)
             sent = [pg.send([busy], 0, _TAG_BACK)] + ([pg.send([x.contiguous()], 0, _TAG_BACK)] if len(x) else []) \

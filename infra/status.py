@@ -76,7 +76,9 @@ def _detail(r: LoadReport) -> str:
                          f"{p.get('verify_failures', 0)} rejected")
         return "; ".join(parts)
     if r.role == "decode":
-        return f"{d.get('landing', 0)} landing, {d.get('preemptions', 0)} preemptions"
+        ranks = "; ranks: " + ", ".join(f"{k['rank']}:{k['tokens']} pid {k['pid']}{'' if k['alive'] else ' (dead)'}"
+                                        for k in d["ranks"]) if d.get("ranks") else ""
+        return f"{d.get('landing', 0)} landing, {d.get('preemptions', 0)} preemptions{ranks}"
     return ""
 
 

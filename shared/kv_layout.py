@@ -93,11 +93,14 @@ class KVLayout:
         return self.chunk_tokens * self.stage_bytes_per_token(stage)
 
     def fingerprint(self, model_id: str, tenant_salt: str = "") -> str:
-        """Namespace for hashes and store keys: differs whenever KV bytes could differ in meaning."""
+        """Namespace for hashes and store keys: differs whenever KV bytes could differ in meaning. Not with how
+        the pages are split: a block means the same tokens whatever the stages (or context-parallel ranks) that
+        hold it, so a prefill of P stages and a decode of one name the same blocks alike (decode reuse), and a
+        pool object's key names its stage split itself (`{namespace}/s{stage}of{stages}/...`)."""
         spec = "|".join(
             str(x)
             for x in (model_id, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
-                      self.block_size, self.chunk_tokens, self.stages, tenant_salt, "layout-v1")
+                      self.block_size, self.chunk_tokens, tenant_salt, "layout-v2")
         )
         return "mrg1-" + hashlib.blake2b(spec.encode(), digest_size=8).hexdigest()
 

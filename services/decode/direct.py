@@ -62,6 +62,7 @@ class DirectPages:
         self._early = started_executor(1, "decode-verify-early")  # checks on PagesLanded
         self.reason = ("transfer.direct is false" if not enabled else
                        "transfer.register_pages is false" if not register_pages else
+                       "decode's pages are split between context-parallel ranks" if zone.engine.context is not None else
                        "decode's pages span several stages" if len(pages) != 1 else
                        "decode's pages are not in host memory" if pages[0].device.type != "cpu" else None)
         if self.reason is None:

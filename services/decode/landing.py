@@ -255,9 +255,9 @@ class LandingZone:
         never written since start-up costs ~1 page fault per 4 KiB on first write: a scatter of 8 MB into
         fresh blocks took 30-150 ms, into resident ones 3 ms (2-core box). Only the landing's blocks: the
         pool is never committed up front (shared/kv_layout.py)."""
-        pages = self.engine.pages[0]
-        if pages.device.type == "cpu":
-            await self.loop.run_in_worker(lambda: prefault(pages, blocks))
+        pages = self.engine.pages  # one per context-parallel rank (decode.dcp), else one
+        if pages[0].device.type == "cpu":
+            await self.loop.run_in_worker(lambda: [prefault(p, blocks) for p in pages])
 
     async def filled(self, msg: SlotsFilled, raw=None) -> Ack:
         with tracer.start_as_current_span("decode.scatter", context=_parent(raw), attributes={
@@ -337,9 +337,24 @@ class LandingZone:
             if rows.data_ptr() % self.layout.elem_bytes:  # a slot size that is no multiple of the element size
                 rows = rows.clone()
             with copy_threads(self.copy_threads or torch.get_num_threads()):
-                self.copies.scatter(rows.view(self.layout.dtype), self.engine.pages[0], landing.blocks, end - first,
-                                    first)
+                self._scatter(rows.view(self.layout.dtype), landing.blocks, end - first, first)
         return reason
+
+    def _scatter(self, rows: torch.Tensor, blocks: list[int], count: int, first: int) -> None:
+        """Tokens [first, first + count) (rows, token-major) into the pages. With context-parallel ranks
+        (decode.dcp = C) token t goes to rank t % C's page at local position t // C: each rank's tokens are every
+        C-th row, consecutive local positions there (shared/engine/context_parallel.py)."""
+        pages = self.engine.pages
+        if len(pages) == 1:
+            self.copies.scatter(rows, pages[0], blocks, count, first)
+            return
+        C = len(pages)
+        flat = rows.view(count, -1)
+        for r in range(C):
+            skip = (r - first) % C
+            if skip < count:
+                mine = flat[skip::C].contiguous()
+                self.copies.scatter(mine.view(-1), pages[r], blocks, mine.shape[0], (first + skip) // C)
 
     def _seam(self, landing: Landing, piece: Piece) -> None:
         """Event loop, after the piece verified: its bytes of tokens cut by its edges go to the seam
@@ -355,7 +370,7 @@ class LandingZone:
             seam[1][lo - tok * tb:hi - tok * tb] = landed[lo - piece.offset:hi - piece.offset]
             seam[0] += hi - lo
             if seam[0] == tb:
-                self.copies.scatter(seam[1].view(self.layout.dtype), self.engine.pages[0], landing.blocks, 1, tok)
+                self._scatter(seam[1].view(self.layout.dtype), landing.blocks, 1, tok)
                 del landing.seams[tok]
 
     async def _refuse(self, rid: str, reason: str) -> Ack:

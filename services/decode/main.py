@@ -222,6 +222,13 @@ class DecodeService:
                 await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
                     rid, [], "", True, "error", None, error_info(500, message)))
 
+    async def on_ranks_lost(self, reason: str) -> None:
+        """A context-parallel rank died: every request decoding here fails now, with the reason, then the instance
+        stops and exits non-zero so that its supervisor restarts it with all its ranks."""
+        await self.on_failed(list(self.active), f"decode instance {self.ctx.instance} lost a context-parallel rank "
+                                                f"and restarts: {reason}")
+        self.ctx.fail(reason)
+
     async def expire_landings(self) -> None:
         timeout = self.ctx.config.transfer.timeout_s
         while not self.ctx.stop.is_set():
@@ -246,7 +253,8 @@ class DecodeService:
                            "unhealthy": unhealthy, "retained_blocks": e.block_manager.num_cached_blocks,
                            "sessions": {"recorded": len(self.sessions.sessions), **self.session_totals},
                            **self.zone.reuse_counters, **self.zone.checks.detail(),
-                           **({"decode_graphs": asdict(e.runner.graphs.stats)} if e.runner.graphs else {})})
+                           **({"decode_graphs": asdict(e.runner.graphs.stats)} if e.runner.graphs else {}),
+                           **({"ranks": e.context.ranks()} if e.context is not None else {})})
 
     async def stop(self) -> None:
         await asyncio.gather(*self.adopting, return_exceptions=True)
@@ -258,8 +266,9 @@ class DecodeService:
 async def serve(ctx: ServiceContext) -> None:
     cfg = ctx.config
     loaded = await asyncio.to_thread(load_model, cfg.engine.model)
-    engine = Engine(loaded, cfg.engine)
+    engine = Engine(loaded, cfg.engine)  # decode.dcp > 1: its ranks are started here
     loaded.release_weights()  # the engine holds its own copy
+    ctx.on_stop.append(lambda: asyncio.to_thread(engine.close))  # hooks run last-added first: this one last
     transport = cfg.transfer.make_transport()
     slots = LandingSlots(cfg.transfer.slots, cfg.transfer.slot_bytes, transport, engine.pages[0].device)
     faults = LandingFaults.from_env()  # off unless a test sets MOORAGE_FAULT_CORRUPT_LANDING
@@ -270,6 +279,12 @@ async def serve(ctx: ServiceContext) -> None:
                                                                    cfg.transfer.register_pages,
                                                                    cfg.transfer.decode_reuse),
                         cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
+    if engine.context is not None:  # a rank lost: this instance exits non-zero and is restarted, ranks and all
+        running = asyncio.get_running_loop()
+        engine.context.on_lost.append(
+            lambda reason: running.call_soon_threadsafe(lambda: asyncio.ensure_future(svc.on_ranks_lost(reason))))
+        if engine.context.lost is not None:
+            asyncio.ensure_future(svc.on_ranks_lost(engine.context.lost))
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room

@@ -63,6 +63,8 @@ class PrefillConfig(ServiceConfig):
     def __post_init__(self) -> None:
         if self.pp < 1:
             raise ConfigError(f"prefill.pp must be >= 1, got {self.pp}")
+        if self.engine.dcp > 1:
+            raise ConfigError(f"prefill.engine.dcp = {self.engine.dcp}: context-parallel ranks are decode's (decode.dcp)")
         if self.pp > 1 or self.engine.pp > 1:
             if self.engine.pp not in (1, self.pp) or self.engine.stages not in (1, self.pp):
                 raise ConfigError(f"prefill.pp ({self.pp}) sets engine.pp and engine.stages: leave them unset "

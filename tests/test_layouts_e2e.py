@@ -1,7 +1,9 @@
-"""`moorage up --set prefill.pp=2` for real: the prefill instance runs as two rank processes, the pool keeps one
-object per stage and counts a chunk only when both stages hold it, output equals the from-scratch engine's,
-and a rank killed mid-service fails what it was computing with a clear error, the instance comes back as a
-unit, and no KV budget is left held."""
+"""`moorage up --set prefill.pp=2 --set decode.dcp=2` for real: prefill runs as two pipeline ranks (one process
+per layer span), decode as two context-parallel ranks (one process per half of the tokens), and the KV changes
+layout on the way. The pool keeps one object per stage and counts a chunk only when both stages hold it, output
+equals the from-scratch engine's (cold, restored from the pool, handed off as a delta), and a rank killed
+mid-service fails what its instance was doing with a clear error, the instance comes back as a unit, and no KV
+budget is left held."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def system(tmp_path_factory):
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
             "up.model=tiny", "up.port=0", f"up.nats_url={url}", "up.store_bytes=67108864", "up.ready_timeout_s=120",
-            f"up.run_dir={tmp_path_factory.mktemp('pp')}", "prefill.pp=2",
+            f"up.run_dir={tmp_path_factory.mktemp('pp')}", "prefill.pp=2", "decode.dcp=2",
             "prefill.engine.num_blocks=80",   # 1280 tokens of device KV: another history evicts the first
             "prefill.engine.long_prefill_tokens=0", "prefill.pool.min_restore_tokens=256",
             "decode.engine.num_blocks=512", "up.restart_backoff_s=0.2"])
@@ -35,19 +37,23 @@ def system(tmp_path_factory):
             yield launcher, base, url
 
 
-def prefill_report(nats: str, boot: str | None = None):
-    """prefill-0's latest load report (one from a new process when `boot` names the old one)."""
+def report(nats: str, role: str = "prefill", boot: str | None = None):
+    """The role's latest load report (one from a new process when `boot` names the old one)."""
     def enough(seen):
-        return any(r.role == "prefill" and r.ready and r.boot != boot for r in seen.values())
+        return any(r.role == role and r.ready and r.boot != boot for r in seen.values())
     seen = asyncio.run(latest_reports(nats, enough=enough))
-    return next(r for r in seen.values() if r.role == "prefill")
+    return next(r for r in seen.values() if r.role == role)
+
+
+def prefill_report(nats: str, boot: str | None = None):
+    return report(nats, "prefill", boot)
 
 
 def test_greedy_output_and_restore_across_stage_ranks(system, tiny):
     _, base, nats = system
-    report = prefill_report(nats)
-    assert [r["rank"] for r in report.detail["ranks"]] == [0, 1]
-    assert report.detail["ranks"][1]["layers"] == [2, 3] and report.detail["ranks"][1]["alive"]
+    pre = prefill_report(nats)
+    assert [r["rank"] for r in pre.detail["ranks"]] == [0, 1]
+    assert pre.detail["ranks"][1]["layers"] == [2, 3] and pre.detail["ranks"][1]["alive"]
     history = tokens(31, 700)
     first = complete(base, history, "pp-s")
     assert first["choices"][0]["text"] == scratch_text(tiny, history)
@@ -57,6 +63,13 @@ def test_greedy_output_and_restore_across_stage_ranks(system, tiny):
     assert second["usage"]["moorage"]["store"] == 2 * CHUNK_TOKENS  # both chunks, each from its two stage objects
     assert second["choices"][0]["text"] == scratch_text(tiny, turn2)
     assert prefill_report(nats).detail["pipeline"]["steps"] > 0
+    dec = report(nats, "decode")
+    assert [k["tokens"] for k in dec.detail["ranks"]] == ["t % 2 == 0", "t % 2 == 1"]
+    # the session's next turn: decode holds the landed blocks of turn 2 and is sent only the rest
+    turn3 = turn2 + tokens(33, 30)
+    third = complete(base, turn3, "pp-s")
+    assert third["choices"][0]["text"] == scratch_text(tiny, turn3)
+    assert report(nats, "decode").detail["reused_blocks"] > dec.detail["reused_blocks"]
 
 
 def test_chunk_missing_one_stage_object_is_a_miss_for_all_stages(system, tiny):
@@ -88,13 +101,14 @@ def roomy(tmp_path_factory):
     with nats_url() as url:
         cfg = load_config(UpConfig, overrides=[
             "up.model=tiny", "up.port=0", f"up.nats_url={url}", "up.pool=false", "up.ready_timeout_s=120",
-            f"up.run_dir={tmp_path_factory.mktemp('pp-kill')}", "prefill.pp=2", "prefill.engine.num_blocks=2048",
+            f"up.run_dir={tmp_path_factory.mktemp('pp-kill')}", "prefill.pp=2", "decode.dcp=2",
+            "prefill.engine.num_blocks=2048",
             "decode.engine.num_blocks=2048", "up.restart_backoff_s=0.2"])
         with launched(cfg) as (launcher, base):
             yield launcher, base, url
 
 
-def test_rank_killed_fails_its_requests_and_the_instance_returns(roomy, tiny):
+def test_prefill_rank_killed_fails_its_requests_and_the_instance_returns(roomy, tiny):
     launcher, base, nats = roomy
     before = prefill_report(nats)
     rank1 = before.detail["ranks"][1]["pid"]
@@ -124,4 +138,35 @@ def test_rank_killed_fails_its_requests_and_the_instance_returns(roomy, tiny):
     seen = asyncio.run(latest_reports(nats, enough=lambda s: {"gate", "decode"} <= {x.role for x in s.values()}))
     by_role = {x.role: x for x in seen.values()}
     assert by_role["decode"].free_tokens == by_role["decode"].capacity_tokens  # nothing left held
+    assert by_role["gate"].free_tokens == by_role["gate"].capacity_tokens
+
+
+def test_decode_rank_killed_fails_its_requests_and_the_instance_returns(roomy, tiny):
+    launcher, base, nats = roomy
+    before = report(nats, "decode")
+    rank1 = before.detail["ranks"][1]["pid"]
+    results: list = []
+
+    def long_answer():
+        r = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": tokens(61, 200), "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
+        results.append(r)
+
+    t = threading.Thread(target=long_answer)
+    t.start()
+    deadline = time.monotonic() + 30
+    while report(nats, "decode").running == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)  # decoding now
+    os.kill(rank1, 9)
+    t.join(60)
+    [r] = results
+    # the step in flight fails with the rank's exit; had it been between steps, the instance fails it as it stops
+    assert r.status_code >= 500 and f"dcp rank 1 (pid {rank1}) exited with code -9" in r.text, r.text
+    after = report(nats, "decode", boot=before.boot)
+    assert after.detail["ranks"][1]["pid"] != rank1 and all(k["alive"] for k in after.detail["ranks"])
+    prompt = tokens(62, 300)
+    assert complete(base, prompt, "dcp-after")["choices"][0]["text"] == scratch_text(tiny, prompt)
+    seen = asyncio.run(latest_reports(nats, enough=lambda s: {"gate", "decode"} <= {x.role for x in s.values()}))
+    by_role = {x.role: x for x in seen.values()}
+    assert by_role["decode"].free_tokens == by_role["decode"].capacity_tokens
     assert by_role["gate"].free_tokens == by_role["gate"].capacity_tokens

@@ -21,7 +21,7 @@ from shared.kv_object import object_key
 from shared.pool import PoolClient, PoolConfig
 from infra.up import UpConfig, launched
 from tests.natsbus import latest_reports, nats_url
-from tests.test_pool_e2e import complete, scratch_text, tokens
+from tests.test_pool_e2e import complete, scratch_text, tokens, trace_of
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,18 @@ def prefill_report(nats: str, boot: str | None = None):
 
 
 def test_greedy_output_and_restore_across_stage_ranks(system, tiny):
-    _, base, nats = system
+    launcher, base, nats = system
     pre = prefill_report(nats)
     assert [r["rank"] for r in pre.detail["ranks"]] == [0, 1]
     assert pre.detail["ranks"][1]["layers"] == [2, 3] and pre.detail["ranks"][1]["alive"]
     history = tokens(31, 700)
     first = complete(base, history, "pp-s")
     assert first["choices"][0]["text"] == scratch_text(tiny, history)
+    handoff = {s["name"]: s for s in trace_of(launcher, first["id"], {"kv.handoff"})}["kv.handoff"]["attributes"]
+    # the staged path (decode's ranks take no direct writes): one write per landing slot of bytes, whatever the
+    # stages and ranks, where a copy as the KV lies would take one per token and layer
+    assert handoff["mode"] == "slots" and handoff["bytes"] == 700 * 4 * 2 * 2 * 64 * 4
+    assert handoff["writes"] == -(-handoff["bytes"] // (8 << 20)) and handoff["naive_writes"] == 700 * 4
     complete(base, tokens(10_031, 1200), "pp-s")  # another history fills the device cache
     turn2 = history + tokens(32, 60)
     second = complete(base, turn2, "pp-s")

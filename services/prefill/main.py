@@ -392,7 +392,7 @@ class PrefillService:
                                  "crc_reused": stats.crc_reused, "verify_ms": stats.verify_ms,
                                  "verified_early": stats.verified_early, "grant_ms": stats.grant_ms,
                                  "done_ms": stats.done_ms, "entry_bytes": stats.entry_bytes,
-                                 "reused_blocks": stats.reused_blocks})
+                                 "reused_blocks": stats.reused_blocks, "naive_writes": self._naive_writes(seq, stats)})
             if stats.early_grant:  # > 0: asked that long before the prompt's last step ended (same clock)
                 span.set_attribute("grant_lead_ms", (seq.first_token_ns - p.grant_asked_ns) / 1e6)
             self.handoff_totals["handoff_bytes"] += stats.bytes
@@ -419,6 +419,12 @@ class PrefillService:
             if transferred is not None and self.events is not None:  # bookkeeping: after the span, the blocks let go
                 self.events.emit_transferred(self.engine.block_manager.block_hashes(seq.prompt_ids, seq.hash_seed),
                                              transferred)
+
+    def _naive_writes(self, seq: Sequence, stats) -> int:
+        """What copying the KV sent as it lies would take: a write per (token, layer) (the seed's 163,840 writes of
+        576 B for one 8K chunk of a 20-layer stage), beside the handoff's own count."""
+        layout = self.engine.layout
+        return (len(seq.prompt_ids) - stats.reused_blocks * layout.block_size) * layout.num_layers
 
     async def on_ranks_lost(self, reason: str) -> None:
         """A pipeline rank died: every request here fails now, with the reason, then the instance stops and exits

@@ -89,19 +89,6 @@ def test_ranks_equal_one_process(tiny, dcp):
     assert all(not p.is_alive() for p in ranked.context.procs)
 
 
-@pytest.mark.slow
-def test_smollm2_ranks_equal_one_process(smollm2):
-    one = Engine(smollm2, EngineConfig(num_blocks=256))
-    ranked = Engine(smollm2, EngineConfig(num_blocks=256, dcp=2))
-    try:
-        ps = [smollm2.tokenizer.chat_token_ids([{"role": "user", "content": q}]) for q in
-              ("Write a Python function that reverses a string.", "What does a code reviewer check?")]
-        sp = SamplingParams(max_tokens=24, temperature=0)
-        assert [s.output_ids for s in one.generate(ps, sp)] == [s.output_ids for s in ranked.generate(ps, sp)]
-    finally:
-        ranked.close()
-
-
 def test_rank_killed_ends_the_group_and_leaks_nothing(tiny):
     engine = Engine(tiny, EngineConfig(num_blocks=64, dcp=2))
     lost = []

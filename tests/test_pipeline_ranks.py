@@ -80,13 +80,14 @@ def test_ranks_equal_one_process(tiny, pp):
 
 
 @pytest.mark.slow
-def test_smollm2_ranks_equal_one_process(smollm2):
+@pytest.mark.parametrize("ranks", [{"pp": 2}, {"dcp": 2}], ids=["pp2", "dcp2"])
+def test_smollm2_ranks_equal_one_process(smollm2, ranks):
+    """The real model, chat prompts, as pipeline ranks and as context-parallel ranks (tests/test_context_parallel.py)."""
     one = Engine(smollm2, EngineConfig(num_blocks=256))
-    ranked = Engine(smollm2, EngineConfig(num_blocks=256, pp=2))
+    ranked = Engine(smollm2, EngineConfig(num_blocks=256, **ranks))
     try:
-        msgs = [[{"role": "user", "content": q}] for q in
-                ("Write a Python function that reverses a string.", "What does a code reviewer check?")]
-        ps = [smollm2.tokenizer.chat_token_ids(m) for m in msgs]
+        ps = [smollm2.tokenizer.chat_token_ids([{"role": "user", "content": q}]) for q in
+              ("Write a Python function that reverses a string.", "What does a code reviewer check?")]
         sp = SamplingParams(max_tokens=24, temperature=0)
         assert [s.output_ids for s in one.generate(ps, sp)] == [s.output_ids for s in ranked.generate(ps, sp)]
     finally:

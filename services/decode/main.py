@@ -219,8 +219,8 @@ class DecodeService:
             a.span.set_status(Status(StatusCode.ERROR, message))
             a.span.end()
             with contextlib.suppress(Exception):
-                await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(
-                    rid, [], "", True, "error", None, error_info(500, message)))
+                await self.bus.publish(self.bus.subjects.request_out(rid), TokenChunk(  # 503: it restarts
+                    rid, [], "", True, "error", None, error_info(503 if self.engine.ranks_lost else 500, message)))
 
     async def on_ranks_lost(self, reason: str) -> None:
         """A context-parallel rank died: every request decoding here fails now, with the reason, then the instance

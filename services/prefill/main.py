@@ -333,7 +333,7 @@ class PrefillService:
         for rid in request_ids:
             if self._end(rid) is not None:
                 self.log.warning("request failed in the engine", request_id=rid, error=message)
-                await self._fail(rid, 500, message)
+                await self._fail(rid, 503 if self.engine.ranks_lost else 500, message)  # 503: it restarts
 
     def _start_save(self, p: Pending) -> None:
         """Runs between steps, while the finished sequence's retained blocks are still ours."""

@@ -193,6 +193,11 @@ class Engine:
         # while it computes (services/prefill/main.py). None: nobody listens.
         self.on_prefill_ending: Callable[[list[str]], None] | None = None
 
+    @property
+    def ranks_lost(self) -> str | None:
+        """Why this engine's rank group ended (a rank exited), or None: it can run no more steps."""
+        return next((g.lost for g in (self.pipeline, self.context) if g is not None and g.lost), None)
+
     def close(self) -> None:
         """Stops what the engine started outside this process (pipeline ranks). Idempotent."""
         for group in (self.pipeline, self.context):

@@ -64,6 +64,25 @@ def test_model_wait_is_the_union_of_a_sessions_requests_after_its_warm_up():
     assert tiers.model_wait_s(recs) == {"a": 11.5, "b": 1.0}
 
 
+def test_offline_bounds_in_trace_and_served_order():
+    sessions = tiers.corpus(tiers.QUICK)
+    sz = tiers.sizing(sessions, tiers.QUICK)
+    records, t = [], 0.0
+    for s in reversed(sessions):  # served in another order than the trace's
+        counts = {}
+        for thread, _ in iter_requests(s):
+            counts[thread] = counts.get(thread, -1) + 1
+            records.append(dict(session=s.id, thread=thread, index=counts[thread], t_start=t, status=200,
+                                warmup=counts[thread] == 0 and thread == "main"))
+            t += 1.0
+    off = tiers.offline_bounds(sessions, records, sz)
+    for order in ("trace_order", "served_order"):
+        dram, both = off[order]["dram"], off[order]["device+dram"]
+        assert dram["capacity_blocks"] < both["capacity_blocks"]
+        assert 0 <= dram["lru"] <= dram["optimum"] <= both["optimum"] <= off[order]["ceiling"] <= 1
+        assert dram["lru"] <= both["lru"]
+
+
 @pytest.mark.slow
 def test_the_systems_replay_the_same_sessions(tmp_path):
     out = tmp_path / "tiers.json"
@@ -74,6 +93,8 @@ def test_the_systems_replay_the_same_sessions(tmp_path):
     for s in by_mode.values():
         assert s["errors"] == 0 and s["returning_turns"] > 0 and s["hit_share"] is not None
     assert by_mode["lru"]["disk"] is None and by_mode["disk"]["disk"]["written"] > 0
+    off = by_mode["lru"]["offline"]["served_order"]["device+dram"]
+    assert 0 <= off["lru"] <= off["optimum"] <= 1
     ceiling = by_mode["unbounded"]["hit_share"]  # the measured ceiling: no bounded system is far above it
     assert all(s["measured_ceiling"] == ceiling and s["hit_share"] <= ceiling + 0.05 for s in by_mode.values())
     assert by_mode["compact"]["disk"]["written_bytes"] < by_mode["disk"]["disk"]["written_bytes"]  # bf16 objects

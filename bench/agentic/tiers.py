@@ -139,6 +139,40 @@ def fresh_disk(run_dir: str, mode: str) -> Path:
     return path
 
 
+def offline_bounds(sessions: list, records: list[dict], sz: dict) -> dict:
+    """What LRU and the offline optimum (Belady, bench/agentic/offline.py) would reuse of the replay's blocks with
+    the systems' memory: the DRAM pool alone (up to its 90% eviction watermark) and the device cache with it, in
+    trace blocks, replaying the requests in the trace's own time order and in the order this system served them
+    (queueing reorders: what that costs is told apart from what the policy loses). Shares of the blocks of the
+    returning main-thread turns, as the summary counts them (the other requests fill the cache as in the run,
+    uncounted), in trace tokens: they compare with the trace ceiling (`ceiling` here), not with the measured hit
+    share, which counts the template every prompt repeats."""
+    from bench.agentic.offline import policies
+    from bench.agentic.trace import scope_namespace
+
+    bs = sessions[0].block_size
+    dram_tokens = int(0.9 * sz["store_bytes"] / KV_BYTES_PER_TOKEN)
+    caps = {"dram": dram_tokens // bs, "device+dram": (sz["device_blocks"] * 16 + dram_tokens) // bs}
+    # counted as summarize_mode counts: the returning main-thread turns that were answered
+    count = {(r["session"], r["thread"], r["index"]): not r["warmup"] and r["thread"] == "main" and r["status"] == 200
+             for r in records}
+    trace, by_key = [], {}
+    for si, sess in enumerate(sessions):
+        counts: dict[str, int] = {}
+        for order, (thread, r) in enumerate(iter_requests(sess)):
+            key = (sess.id, thread, counts.setdefault(thread, -1) + 1)
+            counts[thread] = key[2]
+            by_key[key] = (scope_namespace(sess), r.hash_ids)
+            trace.append((r.t, si, order, key))
+    trace.sort(key=lambda e: e[:3])
+    served = [k for k in ((r["session"], r["thread"], r["index"]) for r in sorted(records, key=lambda r: r["t_start"]))
+              if k in by_key]
+    out = {}
+    for name, keys in (("trace_order", [e[3] for e in trace if e[3] in count]), ("served_order", served)):
+        out[name] = policies([by_key[k] for k in keys], caps, [count[k] for k in keys])
+    return out
+
+
 def bucket_of(pause: float) -> str:
     return next(name for name, lo, hi in BUCKETS if lo <= pause < hi)
 
@@ -245,6 +279,8 @@ def run(size: Size, run_dir: str, extra: list[str] = (), modes: list[str] | None
         for k in ("jct", "wait"):
             mean = s[f"{k}_mean_s"]
             s[f"{k}_vs_lru"] = round(base[f"{k}_mean_s"] / mean, 3) if base and base[f"{k}_mean_s"] and mean else None
+    for s in summary:
+        s["offline"] = offline_bounds(sessions, stats[s["mode"]]["records"], sz)
     pauses = [r.think_time for s in sessions for t, r in iter_requests(s) if t == "main" and r.think_time > 0]
     return {"params": {"size": dataclasses.asdict(size), "quick": size != FULL, "pauses": PAUSES, "sizing": sz,
                        "pause_counts": {name: sum(lo <= p < hi for p in pauses) for name, lo, hi in BUCKETS},
@@ -265,11 +301,31 @@ def report(result: dict) -> str:
                      (s["pool"] or {}).get("restored_bytes"),
                      (s["disk"] or {}).get("written_bytes"), (s["disk"] or {}).get("read_bytes"),
                      f"{(s['pool'] or {}).get('prefetch_used')} / {(s['pool'] or {}).get('prefetch_wasted')}",
-                     s["errors"]])
+                     *_offline_cells(s), s["errors"]])
     return md_table(["mode", "returning hit share", f"below {CEILING_MODE}", "trace ceiling",
                      *(f"TTFT ms p50 / p90, pause {b}" for b, _, _ in BUCKETS),
                      "JCT mean s", "JCT vs lru", "model wait mean s", "wait vs lru", "pool bytes restored", "disk bytes written", "disk bytes read",
-                     "prefetch used / wasted", "errors"], rows)
+                     "prefetch used / wasted", "offline lru / optimum, dram (served order)",
+                     "offline lru / optimum, device+dram (served order)", "errors"], rows)
+
+
+def _offline_cells(s: dict) -> list[str]:
+    off = (s.get("offline") or {}).get("served_order") or {}
+    return [f"{off[k]['lru']:.3f} / {off[k]['optimum']:.3f}" if k in off else "-" for k in ("dram", "device+dram")]
+
+
+def rewrite_offline(out: str) -> int:
+    import json
+
+    path = Path(out)
+    result = json.loads(path.read_text())
+    size = Size(**result["params"]["size"])
+    sessions = corpus(size)
+    for s in result["summary"]:
+        s["offline"] = offline_bounds(sessions, result["records"][s["mode"]], result["params"]["sizing"])
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(report(result))
+    return 0
 
 
 def plot(result: dict, path: str) -> None:
@@ -308,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default="runs/tiers")
     ap.add_argument("--modes", default=",".join(MODES), help="which systems (default: all six)")
     ap.add_argument("--set", action="append", default=[], help="moorage up override for every system (repeatable)")
+    ap.add_argument("--offline-only", action="store_true",
+                    help="recompute the offline LRU and optimum of the result at --out from its own records (the corpus "
+                         "is seeded: the same sessions), and rewrite it; runs no system")
     args = ap.parse_args(argv)
+    if args.offline_only:
+        return rewrite_offline(args.out)
     t0 = time.perf_counter()
     result = run(QUICK if args.quick else FULL, args.run_dir, args.set, args.modes.split(","))
     result["machine"] = machine_info()

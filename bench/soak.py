@@ -66,7 +66,7 @@ def system_overrides(p: SoakParams, nats_url: str, run_dir: str) -> list[str]:
             "up.pool=true", "up.stores=2", f"up.store_bytes={p.store_bytes}", "up.ready_timeout_s=180",
             f"prefill.engine.num_blocks={p.device_blocks}", f"prefill.engine.chunk_tokens={p.chunk_tokens}",
             "decode.engine.num_blocks=1024", "master.master.client_ttl_s=2", "router.router.instance_timeout_s=5",
-            *([f"up.disk_bytes={p.disk_bytes}"] if p.disk_bytes else [])]
+            f"up.disk_bytes={p.disk_bytes}"]  # 0: DRAM only (the default system has a disk tier)
 
 
 async def _reports(nats_url: str, seconds: float = 1.5) -> dict:

@@ -55,12 +55,15 @@ class Cluster:
     router_port: int = 8000
     http_port: int = 9100             # first /health + /metrics port on a host; one per instance from there
     store_bytes: int = 1 << 30        # DRAM each store contributes
+    disk_bytes: int = 16 << 30        # each store's disk tier under the unit's StateDirectory (/var/lib/moorage/disk/<store>); 0: none
     api_keys: list[str] = field(default_factory=list)  # router keys; empty: one is generated
     nats_user: str = "moorage"
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"cluster.protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.disk_bytes < 0:
+            raise ConfigError(f"cluster.disk_bytes must be >= 0 (0: no disk tier), got {self.disk_bytes}")
 
 
 @dataclass

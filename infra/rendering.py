@@ -53,7 +53,9 @@ def instance_config(role: str, index: str, inv: "Inventory", host: "Host", maste
     if role == "master":
         data["master"] = {"host": master.address, "rpc_port": c.master_port}
     elif role == "store":
-        data["store"] = {**_mooncake(inv, host), "master_addr": master_addr, "segment_bytes": c.store_bytes}
+        data["store"] = {**_mooncake(inv, host), "master_addr": master_addr, "segment_bytes": c.store_bytes,
+                         **({"disk_path": f"/var/lib/moorage/disk/store-{index}", "disk_bytes": c.disk_bytes}
+                            if c.disk_bytes else {})}
     elif role in ("prefill", "decode"):
         data["engine"] = {"model": c.model}
         data["transfer"] = _mooncake(inv, host)

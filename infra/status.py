@@ -63,7 +63,11 @@ def _detail(r: LoadReport) -> str:
         return (f"pool {d.get('used_bytes', 0) // mib}/{d.get('capacity_bytes', 0) // mib} MiB, "
                 f"{d.get('objects', 0)} objects, {d.get('evictions', 0)} evicted, {d.get('restarts', 0)} restarts")
     if r.role == "store":
-        return f"segment {d.get('segment_bytes', 0) // mib} MiB{' (huge pages)' if d.get('hugepages') else ''}"
+        disk = d.get("disk")
+        tier = (f", disk {disk.get('bytes', 0) // mib}/{disk.get('capacity', 0) // mib} MiB, {disk.get('objects', 0)} "
+                f"objects{'' if disk.get('writable', True) else ' (writes off: ' + str(disk.get('off_reason')) + ')'}"
+                if disk else ", no disk tier")
+        return f"segment {d.get('segment_bytes', 0) // mib} MiB{' (huge pages)' if d.get('hugepages') else ''}{tier}"
     if r.role == "prefill":
         parts = []
         if d.get("ranks"):  # prefill.pp > 1: each rank's layers and process

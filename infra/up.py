@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.exits import ExitAnnouncer, new_boot
+from infra.disk_split import DiskSplit, split_disk
 from infra.kv_split import KVSplit, measure_kv
 from infra.natsd import CREDENTIAL_FILE, NatsCredential, NatsServer, write_private
 from infra.procs import ProcId, die_with_parent
@@ -74,7 +75,7 @@ class UpSettings:
     groups: int = 1                   # "servers": each group has its prefills, its stores and one decode
     stores: int = 2                   # store services per group contributing DRAM to the pool
     store_bytes: int = 1 << 30        # DRAM each store contributes (bytes)
-    disk_bytes: int = 0               # each store's disk tier (store.disk_path: <disk_dir>/<store instance>): 0 = none, the pool is DRAM only
+    disk_bytes: int = -1              # each store's disk tier (store.disk_path: <disk_dir>/<store instance>): -1 = auto, a quarter of that filesystem's free space, 64 GiB at most in all, split among the stores (infra/disk_split.py); a size in bytes per store; 0 = none, the pool is DRAM only
     disk_dir: str = ""                # where the stores' disk tiers live ("": <run_dir>/disk); local NVMe on a server
     prefills: int = 1                 # prefill instances per group
     kv_memory: str = "60%"            # KV of all prefill + decode instances: a share of the host memory left after stores and processes, or a size ("8GiB")
@@ -89,8 +90,8 @@ class UpSettings:
     def __post_init__(self) -> None:
         if self.pool_mode not in ("shared", "split"):
             raise ConfigError(f"up.pool_mode must be shared or split, got {self.pool_mode!r}")
-        if self.disk_bytes < 0:
-            raise ConfigError(f"up.disk_bytes must be >= 0 (0: no disk tier), got {self.disk_bytes}")
+        if self.disk_bytes < -1:
+            raise ConfigError(f"up.disk_bytes must be -1 (auto), 0 (no disk tier) or a size, got {self.disk_bytes}")
         if min(self.groups, self.prefills) < 1 or self.stores < 0:
             raise ConfigError("up.groups and up.prefills must be >= 1, up.stores >= 0")
         if not 0 < self.decode_kv_share < 1:
@@ -138,13 +139,21 @@ def check_layout(cfg: UpConfig) -> None:
                               "layers (each rank holds at least one layer)")
 
 
+def disk_of(cfg: UpConfig, run_dir: Path) -> DiskSplit:
+    """The stores' disk tier for this system (infra/disk_split.py)."""
+    up = cfg.up
+    return split_disk(up.disk_bytes, Path(up.disk_dir or run_dir / "disk"), up.groups * up.stores if up.pool else 0)
+
+
 def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
-         credential: NatsCredential | None = None, router_fd: int = -1) -> list[tuple[str, str, object]]:
+         credential: NatsCredential | None = None, router_fd: int = -1,
+         disk: DiskSplit | None = None) -> list[tuple[str, str, object]]:
     """(instance, service module, config) in start order; stop order is the reverse. Engines whose KV is
     left to "auto" get their part of `kv` (the host's split; measured now when not given). Every service
     gets `credential` (the embedded bus's) as its bus user/password; the router serves on `router_fd`
-    (the launcher's listening socket) when it is given."""
+    (the launcher's listening socket) when it is given. `disk`: the stores' disk tier (sized now when not given)."""
     up = cfg.up
+    disk = disk or disk_of(cfg, run_dir)
     check_layout(cfg)
     if kv is None and (_sized_by_up(cfg.decode.engine) or _sized_by_up(cfg.prefill.engine)):
         kv = measure_kv(cfg)
@@ -173,10 +182,9 @@ def plan(cfg: UpConfig, nats_url: str, run_dir: Path, kv: KVSplit | None = None,
         for g in range(up.groups):
             for i in range(up.stores):
                 name = f"store-{g * up.stores + i}"
-                disk = {"disk_path": str(Path(up.disk_dir or run_dir / "disk") / name),
-                        "disk_bytes": up.disk_bytes} if up.disk_bytes else {}
+                tier = {"disk_path": str(disk.directory / name), "disk_bytes": disk.per_store} if disk.per_store else {}
                 add(name, "store", cfg.store,
-                    store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes, **disk})
+                    store={"master_addr": pools[g % len(pools)], "segment_bytes": up.store_bytes, **tier})
     add(cfg.gate.instance, "gate", cfg.gate)
     for g in range(up.groups):
         add(f"decode-{g}", "decode", cfg.decode, engine=engine(cfg.decode, kv and kv.decode_bytes))
@@ -206,6 +214,7 @@ class Launcher:
         self.nats: NatsServer | None = None
         self.credential: NatsCredential | None = None
         self.kv: KVSplit | None = None
+        self.disk: DiskSplit | None = None  # the stores' disk tier, sized at start
         self.nats_address = ""
         self.router_url = ""
         self.router_sock: socket.socket | None = None  # bound here, served by the router (router.listen_fd)
@@ -291,8 +300,9 @@ class Launcher:
             from infra.trace_ui import export_to, start_trace_ui
             self.trace_ui = start_trace_ui(self.cfg.up.trace_ui, self.run_dir, self._say)
             self.cfg = export_to(self.cfg, self.trace_ui.url, self.run_dir / "traces.jsonl")
+        self.disk = disk_of(self.cfg, self.run_dir)
         for instance, service, config in plan(self.cfg, self.nats_address, self.run_dir, self.kv, self.credential,
-                                              router_fd=router_fd):
+                                              router_fd=router_fd, disk=self.disk):
             self.configs[instance], self.roles[instance] = config, service
             path = self.run_dir / f"{instance}.toml"
             write_private(path, to_toml(config))  # may hold the bus credential: 0600
@@ -419,6 +429,8 @@ def run_up(cfg: UpConfig) -> int:
               f"(logs in {launcher.run_dir})", flush=True)
         if launcher.kv is not None:
             print(f"moorage: {launcher.kv.describe()}", flush=True)
+        if cfg.up.pool:
+            print(f"moorage: {launcher.disk.describe()}", flush=True)
         health = launcher.wait_ready(url)
         tokens = health.get("kv_tokens", {})
         if tokens:

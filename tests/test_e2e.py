@@ -282,6 +282,23 @@ def test_status_lists_every_service(system):
         assert role in r.stdout
 
 
+def test_the_pool_has_a_disk_tier_by_default(system):
+    """Issue 52: nothing set, every store keeps a disk tier under the run directory, sized from its free space, and
+    says so in its load report (/metrics, `moorage status`)."""
+    launcher, _, nats = system
+    assert launcher.disk.per_store > 0 and launcher.disk.directory == launcher.run_dir / "disk"
+    stores = [r for r in asyncio.run(latest_reports(nats, enough=lambda s: sum(
+        x.role == "store" for x in s.values()) == 2)).values() if r.role == "store"]
+    assert len(stores) == 2
+    for r in stores:
+        disk = r.detail["disk"]
+        assert disk["capacity"] == launcher.disk.per_store and disk["writable"]
+        assert (launcher.run_dir / "disk" / r.instance / "objects").is_dir()
+    status = subprocess.run([sys.executable, "-m", "infra.cli", "status", "--run-dir", str(launcher.run_dir)],
+                            capture_output=True, text=True, timeout=60).stdout
+    assert status.count(f"/{launcher.disk.per_store >> 20} MiB, ") == 2  # each store's disk: used/capacity
+
+
 def test_up_stops_every_process_on_sigterm(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()

@@ -39,7 +39,8 @@ def system(tmp_path_factory):
     yield from _system(tmp_path_factory.mktemp("pp"), "up.store_bytes=67108864",
                        "prefill.engine.num_blocks=80",   # 1280 tokens of device KV: another history evicts the first
                        "prefill.engine.long_prefill_tokens=0", "prefill.pool.min_restore_tokens=256",
-                       "decode.engine.num_blocks=512")
+                       "decode.engine.num_blocks=512",
+                       "up.disk_bytes=0")  # the DRAM pool's group miss: no disk tier to put back what a test removes
 
 
 def report(nats: str, role: str = "prefill", boot: str | None = None):

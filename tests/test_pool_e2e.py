@@ -37,7 +37,8 @@ def system(tmp_path_factory):
             "prefill.engine.num_blocks=80",   # 1280 tokens of device KV: a second session evicts the first
             "prefill.engine.stages=2", "prefill.pool.min_restore_tokens=256",
             "router.router.instance_timeout_s=2", "decode.engine.num_blocks=512",
-            "master.master.client_ttl_s=2"])  # a dead store is dropped from the pool after this
+            "master.master.client_ttl_s=2",  # a dead store is dropped from the pool after this
+            "up.disk_bytes=0"])  # the DRAM pool's own behaviour: no disk tier to put back what a test removes
         with launched(cfg) as (launcher, base):
             yield launcher, base, url
 

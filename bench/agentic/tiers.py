@@ -125,7 +125,7 @@ def overrides(mode: str, sz: dict, run_dir: str) -> list[str]:
             f"prefill.engine.num_blocks={sz['device_blocks']}", f"decode.engine.num_blocks={sz['decode_blocks']}",
             "prefill.engine.chunk_tokens=64", "prefill.pool.restore_batch_chunks=16", "up.port=0",
             "decode.transfer.decode_reuse=false",
-            "up.ready_timeout_s=300"]
+            "up.ready_timeout_s=300", "up.disk_bytes=0"]  # DRAM only unless the mode says @disk
     sub = {"@disk": [f"up.disk_bytes={sz['disk_bytes']}", f"up.disk_dir={Path(run_dir) / mode / 'disk'}"],
            "@unbounded": [f"prefill.engine.num_blocks={sz['unbounded_blocks']}"]}
     return base + [x for o in MODES[mode] for x in sub.get(o, [o])]

@@ -103,6 +103,7 @@ def run_mode(size: Size, retention: str, run_dir: str, overrides: list[str]) -> 
 
     tier = (["up.pool=false"] if size.tier == "device" else
             ["up.pool=true", "up.stores=1", f"up.store_bytes={size.store_bytes}", "decode.transfer.decode_reuse=false",
+             "up.disk_bytes=0",  # the DRAM pool's retention policy: no disk tier to bring back what it evicts
              "prefill.pool.save_max_held_fraction=0.9"])
     sets = ["up.model=tiny", "up.port=0", *tier, f"up.run_dir={run_dir}",
             f"prefill.engine.num_blocks={size.device_blocks}", "decode.engine.num_blocks=2048",

@@ -128,6 +128,10 @@ class Subjects:
         return f"{self.prefix}.store.disk.spill"
 
     @property
+    def disk_drop(self) -> str:
+        return f"{self.prefix}.store.disk.drop"
+
+    @property
     def disk_index(self) -> str:
         return f"{self.prefix}.store.disk.index"
 

@@ -428,6 +428,12 @@ class DiskSpill(Message):
     sizes: list[int]
 
 
+@message("disk_drop")
+class DiskDrop(Message):
+    """These pool objects will not be asked for again (their session was closed): stores delete their disk copies."""
+    keys: list[str]
+
+
 @message("disk_index")
 class DiskIndex(Message):
     """A store's disk tier changed: these keys were written (`added`) or deleted (`removed`). `snapshot`: the

@@ -44,6 +44,7 @@ SAMPLES: dict[str, m.Message] = {
     "kv_events": m.KVEventBatch("prefill-0", [{"type": "stored", "hashes": [1, 2**63], "medium": "device"},
                                               {"type": "cleared"}]),
     "disk_spill": m.DiskSpill(["t/s0of2/ab", "t/s1of2/ab"], [4224, 4224]),
+    "disk_drop": m.DiskDrop(["t/s0of2/ab", "t/s1of2/ab"]),
     "disk_index": m.DiskIndex("store-0", added=["t/s0of2/ab"], removed=["t/s1of2/cd"], snapshot=True),
     "disk_sync": m.DiskSync("prefill-0"),
     "disk_load": m.DiskLoad(["t/s0of2/ab", "t/s1of2/ab"]),

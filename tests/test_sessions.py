@@ -148,6 +148,9 @@ def test_a_closed_session_s_kv_is_freed_and_the_shared_opening_stays(system, tin
     assert r.status_code == 200 and r.json() == {"id": "sess-a", "object": "session", "closed": True}
     d = _prefill(url, lambda d: d["sessions"]["sessions_closed"] >= 1)["sessions"]
     assert d["sessions_closed"] == 1 and d["session_blocks_dropped"] > 0 and d["session_objects_removed"] > 0
+    stores = asyncio.run(latest_reports(url, enough=lambda seen: sum(r.role == "store" for r in seen.values()) == 2))
+    deleted = sum(r.detail["disk"]["deleted"] for r in stores.values() if r.role == "store")
+    assert deleted > 0  # the default system's disk tier dropped its copies of a's own chunks too
     d = _prefill(url, lambda d: d["sessions"]["sessions_closed"] >= 1, "decode")["sessions"]  # decode keeps prompts
     assert d["sessions_closed"] == 1 and d["session_blocks_dropped"] >= (700 - 16) // 16  # a's own blocks there
     # b is served from cache as before: its own history and the shared opening

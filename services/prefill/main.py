@@ -25,8 +25,8 @@ from shared.engine.sequence import Sequence
 from shared.kv_tenant import MAX_TENANT_CHARS
 from shared.holdings import ORPHAN_REASON, Served, exit_holdings, orphans
 from shared.hashing import chunk_hashes
-from shared.messages import (Ack, Cancel, DecodeAssign, DiskSpill, HandoffDone, Holdings, InstanceExited, LoadReport,
-                             SessionClose, PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
+from shared.messages import (Ack, Cancel, DecodeAssign, DiskDrop, DiskSpill, HandoffDone, Holdings, InstanceExited,
+                             LoadReport, SessionClose, PrefillSubmit, SessionTurn, TokenChunk, error_info, make_usage)
 from shared.service import ServiceContext
 from services.prefill.prefetch import Prefetcher
 from shared.sessions import SessionIndex, SessionKV
@@ -140,6 +140,9 @@ class PrefillService:
                 removed = sum(rc == 0 for rc in await asyncio.to_thread(self.pool.client.remove, keys, True))
             except Exception as e:  # the pool's LRU takes them in time: nothing is wrong, only kept longer
                 self.log.warning("session close: pool objects not removed", session_id=msg.session_id, error=str(e))
+            if self.pool.disk is not None:  # and the stores' disk copies (advisory: a store's LRU takes them else)
+                with contextlib.suppress(Exception):
+                    await self.bus.publish(self.bus.subjects.disk_drop, DiskDrop(keys))
         t = self.session_totals
         t["sessions_closed"] += 1
         t["session_blocks_dropped"] += dropped

@@ -49,7 +49,7 @@ class DiskTier:
         self.used = 0
         self.off_reason = ""  # why writes stopped ("" while they go on)
         self.counters = {"written": 0, "written_bytes": 0, "read": 0, "read_bytes": 0, "evicted": 0,
-                         "verify_failures": 0, "read_errors": 0, "partial_removed": 0}
+                         "verify_failures": 0, "read_errors": 0, "partial_removed": 0, "deleted": 0}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._probe()
@@ -111,6 +111,15 @@ class DiskTier:
             self.counters["evicted"] += 1
             gone.append(key)
         return gone
+
+    def delete(self, keys: list[str]) -> list[str]:
+        """Deletes these objects' files (a closed session's: nothing will ask for them again); the keys it held."""
+        with self.lock:
+            held = [k for k in keys if k in self.index]
+            for k in held:
+                self._forget(k)
+            self.counters["deleted"] += len(held)
+        return held
 
     def _forget(self, key: str) -> None:
         size = self.index.pop(key, None)

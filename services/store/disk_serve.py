@@ -7,6 +7,8 @@ them, and puts them back into the pool when a prefill asks (services/store/disk.
   frees an object's bytes when it evicts it, and tells no one first. An object evicted before its copy
   was made is counted (`spill_missed`) and stays a miss; a copy that does not verify is not written
   (`spill_rejected`).
+- Drop (`moorage.store.disk.drop`, DiskDrop from a prefill that closed a session): the copies of the session's
+  own objects are deleted, as the pool's are, so a closed session's history never comes back from disk.
 - Index (`moorage.store.disk.index`, DiskIndex): every write and deletion is announced, and the whole listing
   at start and on request (`moorage.store.disk.sync`), so prefills know which store holds which object
   without asking on every miss.
@@ -27,7 +29,7 @@ import torch
 
 from services.store.disk import DiskTier
 from shared.kv_object import verify_as
-from shared.messages import DiskIndex, DiskLoad, DiskLoaded, DiskSpill, DiskSync
+from shared.messages import DiskDrop, DiskIndex, DiskLoad, DiskLoaded, DiskSpill, DiskSync
 from shared.pool import PoolClient, PoolConfig
 
 INDEX_KEYS_PER_MESSAGE = 4000  # ~400 KB of keys: under the bus cap
@@ -67,6 +69,7 @@ class DiskService:
     async def start(self) -> None:
         subjects = self.bus.subjects
         await self.bus.subscribe(subjects.disk_spill, DiskSpill, self.spill)
+        await self.bus.subscribe(subjects.disk_drop, DiskDrop, self.drop)
         await self.bus.subscribe(subjects.disk_load(self.ctx.instance), DiskLoad, self.load,
                                  on_error=lambda e, raw: DiskLoaded(0, f"bad request: {e}"))
         await self.bus.subscribe(subjects.disk_sync, DiskSync, self.sync)
@@ -92,6 +95,11 @@ class DiskService:
                                    DiskIndex(self.ctx.instance, added=part, snapshot=i == 0))
 
     # ---- spill ------------------------------------------------------------------------------------
+    async def drop(self, msg: DiskDrop, raw) -> None:
+        """A closed session's objects: their disk copies go too (else its history would come back from here)."""
+        gone = await asyncio.to_thread(self.tier.delete, list(msg.keys))
+        await self._announce([], gone)
+
     async def spill(self, msg: DiskSpill, raw) -> None:
         self.counters["spill_notices"] += 1
         if not self.tier.writable or len(msg.keys) != len(msg.sizes):

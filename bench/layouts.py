@@ -38,10 +38,10 @@ class Size:
     prompt_lengths: tuple = (512, 2048)
     pp: tuple = (1, 2, 4)
     dcp: tuple = (1, 2, 4)
-    contexts: tuple = (1024, 4096)
+    contexts: tuple = (1024, 2048)
     batches: tuple = (1, 4)
     decode_steps: int = 16
-    rounds: int = 3
+    rounds: int = 2
     vocab: int = 32000
 
 
@@ -88,8 +88,8 @@ def run(size: Size) -> dict:
     try:
         prefill = {(n, p): [] for n in size.prompt_lengths for p in size.pp}
         decode = {(ctx, b, c): [] for ctx in size.contexts for b in size.batches for c in size.dcp}
-        bubble = {p: [] for p in size.pp if p > 1}
-        waited = {c: [] for c in size.dcp if c > 1}
+        bubble = {(n, p): [] for n in size.prompt_lengths for p in size.pp if p > 1}
+        waited = {(ctx, b, c): [] for ctx in size.contexts for b in size.batches for c in size.dcp if c > 1}
         exact, checked = True, 0
         for rnd in range(size.rounds):
             for n in size.prompt_lengths:
@@ -102,7 +102,7 @@ def run(size: Size) -> dict:
                     prefill[(n, p)].append(ms)
                     if st:
                         wall, busy = st.wall_ms - before[0], sum(st.busy_ms) - before[1]
-                        bubble[p].append(max(0.0, 1 - busy / (p * wall)))
+                        bubble[(n, p)].append(max(0.0, 1 - busy / (p * wall)))
                 exact &= all(t == tokens[size.pp[0]] for t in tokens.values())
                 checked += 1
             for ctx in size.contexts:
@@ -114,7 +114,7 @@ def run(size: Size) -> dict:
                         ms, tokens[c] = decode_once(engine, prompts, size.decode_steps)
                         decode[(ctx, b, c)].append(ms)
                         if engine.context:
-                            waited[c].append((engine.context.exchange_ms - ex) / (ms * size.decode_steps))
+                            waited[(ctx, b, c)].append((engine.context.exchange_ms - ex) / (ms * size.decode_steps))
                     exact &= all(t == tokens[size.dcp[0]] for t in tokens.values())
                     checked += 1
     finally:
@@ -125,11 +125,11 @@ def run(size: Size) -> dict:
         "params": {**asdict(size), "quick": size == QUICK},
         "prefill": [{"prompt_tokens": n, "pp": p, "ttft_ms_median": med(v), "ttft_ms_all": v,
                      "vs_pp1": med(v) / med(prefill[(n, size.pp[0])]),
-                     "bubble_median": med(bubble[p]) if p in bubble else 0.0}
+                     "bubble_median": med(bubble[(n, p)]) if (n, p) in bubble else 0.0}
                     for (n, p), v in prefill.items()],
         "decode": [{"context": ctx, "batch": b, "dcp": c, "step_ms_median": med(v), "step_ms_all": v,
                     "vs_dcp1": med(v) / med(decode[(ctx, b, size.dcp[0])]),
-                    "exchange_wait_share": med(waited[c]) if c in waited else 0.0}
+                    "exchange_wait_share": med(waited[(ctx, b, c)]) if (ctx, b, c) in waited else 0.0}
                    for (ctx, b, c), v in decode.items()],
         "exact": exact, "comparisons": checked,
     }

@@ -64,17 +64,20 @@ def prefill_once(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
     return (time.perf_counter() - t0) * 1e3, seq.output_ids
 
 
-def decode_once(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
-    """ms per decode step over `steps` steps, after the prompts' prefill (not timed); the tokens."""
+def decode_once(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]], float]:
+    """ms per decode step over `steps` steps, after the prompts' prefill (not timed); the tokens; the share of the
+    decode steps' time rank 0 waited for the other ranks' attention shares (0 with one process)."""
     sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(f"d{time.monotonic_ns()}-{i}", p, sp) for i, p in enumerate(prompts)]
     while any(not s.output_ids for s in seqs):
         engine.step()
-    t0, n = time.perf_counter(), 0
+    t0, n, ex = time.perf_counter(), 0, engine.context.exchange_ms if engine.context else 0.0
     while any(not s.is_finished for s in seqs):
         engine.step()
         n += 1
-    return (time.perf_counter() - t0) * 1e3 / max(n, 1), [s.output_ids for s in seqs]
+    took = (time.perf_counter() - t0) * 1e3
+    waited = (engine.context.exchange_ms - ex) / took if engine.context else 0.0
+    return took / max(n, 1), [s.output_ids for s in seqs], waited
 
 
 def run(size: Size) -> dict:
@@ -110,11 +113,10 @@ def run(size: Size) -> dict:
                     prompts = [_ids(rnd * 1000 + ctx + i, ctx, size.vocab) for i in range(b)]
                     tokens = {}
                     for c, engine in dec.items():
-                        ex = engine.context.exchange_ms if engine.context else 0.0
-                        ms, tokens[c] = decode_once(engine, prompts, size.decode_steps)
+                        ms, tokens[c], share = decode_once(engine, prompts, size.decode_steps)
                         decode[(ctx, b, c)].append(ms)
                         if engine.context:
-                            waited[(ctx, b, c)].append((engine.context.exchange_ms - ex) / (ms * size.decode_steps))
+                            waited[(ctx, b, c)].append(share)
                     exact &= all(t == tokens[size.dcp[0]] for t in tokens.values())
                     checked += 1
     finally:

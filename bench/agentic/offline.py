@@ -35,17 +35,22 @@ def chained(requests: Iterable[tuple[str, Sequence[int]]]) -> list[list[tuple]]:
     return out
 
 
+def _leading(blocks: list[tuple], cache) -> int:
+    """How many of a request's leading blocks the cache holds (a prefix hit: none past the first missing one)."""
+    n = 0
+    while n < len(blocks) and blocks[n] in cache:
+        n += 1
+    return n
+
+
 def lru(requests: list[list[tuple]], capacity: int, counted: Sequence[bool] | None = None) -> tuple[int, int]:
     """(blocks reused, blocks read) replaying `requests` (lists of block keys) through an LRU of `capacity`; only
     the requests `counted` marks count (the others still fill the cache: a session's cold first turn)."""
     cache: OrderedDict = OrderedDict()
     hit = total = 0
     for i, blocks in enumerate(requests):
-        n = 0
-        while n < len(blocks) and blocks[n] in cache:
-            n += 1
         if counted is None or counted[i]:
-            hit, total = hit + n, total + len(blocks)
+            hit, total = hit + _leading(blocks, cache), total + len(blocks)
         for b in blocks:
             cache[b] = True
             cache.move_to_end(b)
@@ -68,11 +73,8 @@ def optimum(requests: list[list[tuple]], capacity: int, counted: Sequence[bool] 
     hit = total = 0
     never = len(requests)
     for i, blocks in enumerate(requests):
-        n = 0
-        while n < len(blocks) and blocks[n] in cache:
-            n += 1
         if counted is None or counted[i]:
-            hit, total = hit + n, total + len(blocks)
+            hit, total = hit + _leading(blocks, cache), total + len(blocks)
         for b in blocks:
             pending = uses[b]
             while pending and pending[-1] <= i:

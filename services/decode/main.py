@@ -280,11 +280,7 @@ async def serve(ctx: ServiceContext) -> None:
                                                                    cfg.transfer.decode_reuse),
                         cfg.holdings_grace_s, transport, cfg.transfer.direct, cfg.transfer.register_pages)
     if engine.context is not None:  # a rank lost: this instance exits non-zero and is restarted, ranks and all
-        running = asyncio.get_running_loop()
-        engine.context.on_lost.append(
-            lambda reason: running.call_soon_threadsafe(lambda: asyncio.ensure_future(svc.on_ranks_lost(reason))))
-        if engine.context.lost is not None:
-            asyncio.ensure_future(svc.on_ranks_lost(engine.context.lost))
+        engine.context.call_on_loss(asyncio.get_running_loop(), svc.on_ranks_lost)
     svc.loop.start()
     s = ctx.bus.subjects
     await ctx.bus.subscribe(s.decode_slots(ctx.instance), SlotRequest, svc.zone.grant,  # a grant may wait for room

@@ -482,11 +482,7 @@ async def serve(ctx: ServiceContext) -> None:
                           engine.block_manager.generation)
     svc = PrefillService(ctx, engine, sender, cfg.assign_timeout_s, cfg.holdings_grace_s, direct)
     if engine.pipeline is not None:  # a rank lost: this instance exits non-zero and is restarted, ranks and all
-        running = asyncio.get_running_loop()
-        engine.pipeline.on_lost.append(
-            lambda reason: running.call_soon_threadsafe(lambda: svc._spawn(svc.on_ranks_lost(reason))))
-        if engine.pipeline.lost is not None:  # died while the rest was being set up
-            svc._spawn(svc.on_ranks_lost(engine.pipeline.lost))
+        engine.pipeline.call_on_loss(asyncio.get_running_loop(), svc.on_ranks_lost)
     svc.events = events
     if cfg.pool.enabled:
         from services.prefill.pool import PoolConnector

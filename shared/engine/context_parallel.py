@@ -25,14 +25,13 @@ import msgspec
 import torch
 
 from kernels.attention_reference import read_context
-from shared.engine.ranks import RankGroup, shared_storage, wait_all
+from shared.engine.ranks import STEP, STOP, RankGroup, header, shared_storage, wait_all
 from shared.engine.runner import ModelRunner, StepInputs
 from shared.kv_layout import KVLayout
 from shared.logging import get_logger
 
 log = get_logger("engine.dcp")
 
-STOP, STEP = 0, 1
 SCORE_BUDGET = 1 << 24   # floats of attention scores held at once (query rows are taken in chunks below it)
 
 
@@ -147,10 +146,6 @@ def rank_pages(layout: KVLayout, world: int, num_blocks: int) -> list[torch.Tens
     return [shared_storage(shape, layout.dtype) for _ in range(world)]
 
 
-def _header(op: int, nbytes: int, rows: int) -> torch.Tensor:
-    return torch.tensor([op, nbytes, rows], dtype=torch.int64)
-
-
 class DcpGroup(RankGroup):
     """Rank 0's side: starts ranks 1..C-1 and, each layer, hands them the new rows and merges their shares."""
 
@@ -177,7 +172,7 @@ class DcpGroup(RankGroup):
         raw = msgspec.msgpack.encode(plan)
         try:
             wait_all(self.sent)
-            head = _header(STEP, len(raw), len(plan.positions))
+            head = header(STEP, len(raw), len(plan.positions))
             buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             self.sent = [w for r in range(1, self.world)
                          for w in (self.pg.send([head], r, 1), self.pg.send([buf], r, 1))] + [(head, buf)]
@@ -206,7 +201,7 @@ class DcpGroup(RankGroup):
     def close(self) -> None:
         def say_stop():
             for r in range(1, self.world):
-                self.pg.send([_header(STOP, 0, 0)], r, 1).wait()
+                self.pg.send([header(STOP, 0, 0)], r, 1).wait()
         super().close(say_stop)
 
 

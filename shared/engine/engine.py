@@ -73,20 +73,16 @@ class EngineConfig:
             if self.stages not in (1, self.pp):
                 raise ValueError(f"engine.stages ({self.stages}) must equal pp ({self.pp}): a rank holds one stage")
             self.stages = self.pp
-            if self.device != "cpu":
-                raise ValueError(f"pp > 1 runs its ranks on the CPU only so far (engine.device={self.device!r}): "
-                                 "a rank's own transfer and pool endpoints for device pages are not built yet")
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs with pp > 1: decode graphs replay one process's whole model")
         if self.dcp < 1 or BLOCK_TOKENS % self.dcp:
             raise ValueError(f"dcp must divide the block size {BLOCK_TOKENS} (1, 2, 4, 8 or 16), got {self.dcp}")
-        if self.dcp > 1:
-            if self.pp > 1 or self.stages > 1:
-                raise ValueError("dcp > 1 holds every layer on every rank: pp and stages stay 1")
+        if self.dcp > 1 and (self.pp > 1 or self.stages > 1):
+            raise ValueError("dcp > 1 holds every layer on every rank: pp and stages stay 1")
+        if self.pp > 1 or self.dcp > 1:
             if self.device != "cpu":
-                raise ValueError(f"dcp > 1 runs its ranks on the CPU only so far (engine.device={self.device!r})")
+                raise ValueError(f"pp or dcp > 1 runs its ranks on the CPU only so far (engine.device={self.device!r}): "
+                                 "a rank's own transfer and pool endpoints for device pages are not built yet")
             if self.cuda_graphs:
-                raise ValueError("cuda_graphs with dcp > 1: decode graphs replay one process's whole model")
+                raise ValueError("cuda_graphs with pp or dcp > 1: decode graphs replay one process's whole model")
         if not 0.0 <= self.retained_fraction <= 1.0:
             raise ValueError(f"engine.retained_fraction must be in [0, 1], got {self.retained_fraction}")
 
@@ -199,7 +195,7 @@ class Engine:
         return next((g.lost for g in (self.pipeline, self.context) if g is not None and g.lost), None)
 
     def close(self) -> None:
-        """Stops what the engine started outside this process (pipeline ranks). Idempotent."""
+        """Stops what the engine started outside this process (pipeline or context-parallel ranks). Idempotent."""
         for group in (self.pipeline, self.context):
             if group is not None:
                 group.close()

@@ -33,14 +33,13 @@ import torch
 
 from shared.engine.model import LlamaModel
 from shared.engine.model_config import ModelConfig
-from shared.engine.ranks import RankGroup, shared_storage, wait_all
+from shared.engine.ranks import STEP, STOP, RankGroup, header, shared_storage, wait_all
 from shared.engine.runner import ModelRunner, StepInputs
 from shared.kv_layout import KVLayout
 from shared.logging import get_logger
 
 log = get_logger("engine.pipeline")
 
-STOP, STEP = 0, 1
 MIN_MICROBATCH_ROWS = 32   # a prefill step is cut into P micro-batches only when each gets this many rows
 _TAG_DOWN, _TAG_BACK = 1, 2
 
@@ -108,13 +107,9 @@ class PipelineStats:
                 "busy_ms": [round(b, 1) for b in self.busy_ms], "bubble": round(self.bubble, 3)}
 
 
-def _header(op: int, plan_bytes: int, rows: int) -> torch.Tensor:
-    return torch.tensor([op, plan_bytes, rows], dtype=torch.int64)
-
-
 def _send_plan(pg, dst: int, plan_raw: bytes, x: torch.Tensor) -> list:
     """Header, plan and hidden states to `dst`: three sends, waited for by the caller before `x` is reused."""
-    head = _header(STEP, len(plan_raw), x.shape[0])
+    head = header(STEP, len(plan_raw), x.shape[0])
     raw = torch.frombuffer(bytearray(plan_raw), dtype=torch.uint8)
     return [pg.send([head], dst, _TAG_DOWN), pg.send([raw], dst, _TAG_DOWN), pg.send([x.contiguous()], dst, _TAG_DOWN),
             (head, raw, x)]
@@ -132,7 +127,7 @@ class StageGroup(RankGroup):
         def args_of(r: int) -> tuple:
             span = layout.stage_layers(r)
             mine = {k: v for k, v in weights.items() if _layer_of(k) in span}
-            return config, mine, layout, pages[r], device, str(dtype)
+            return config, mine, layout, pages[r], device, dtype
 
         super().__init__("pipeline", layout.stages, _rank_main, args_of, threads)
         log.info("pipeline ranks up", ranks=self.world, pids=self.pids, threads=self.threads,
@@ -185,7 +180,7 @@ class StageGroup(RankGroup):
 
     def close(self) -> None:
         """Stops every rank (a STOP passed down the pipe, then a kill for any that lingers)."""
-        super().close(lambda: self.pg.send([_header(STOP, 0, 0)], 1, _TAG_DOWN).wait())
+        super().close(lambda: self.pg.send([header(STOP, 0, 0)], 1, _TAG_DOWN).wait())
 
 
 def _layer_of(name: str) -> int:
@@ -206,9 +201,8 @@ class PipelineRunner(ModelRunner):
 # ---- ranks 1..P-1 ---------------------------------------------------------------------------------------
 
 def _rank_main(pg, rank: int, world: int, config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
-               page: torch.Tensor, device: str, dtype: str) -> None:
-    model = LlamaModel(config, _full_names(config, weights), layout, device, getattr(torch, dtype.split(".")[-1]),
-                       layers=layout.stage_layers(rank))
+               page: torch.Tensor, device: str, dtype: torch.dtype) -> None:
+    model = LlamaModel(config, _full_names(config, weights), layout, device, dtype, layers=layout.stage_layers(rank))
     pages: list = [None] * world
     pages[rank] = page
     runner = ModelRunner(model, pages, layout.block_size)

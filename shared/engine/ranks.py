@@ -28,6 +28,7 @@ from shared.logging import get_logger
 
 log = get_logger("engine.ranks")
 
+STOP, STEP = 0, 1          # a rank message header's op
 JOIN_TIMEOUT_S = 120.0     # how long ranks may take to start and join the group
 OP_TIMEOUT_S = 600.0       # a send or receive that waits this long fails (a live peer answers within a step)
 
@@ -41,6 +42,11 @@ def shared_storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     zero until first written, like allocate_pages' calloc."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes)).view(shape)
+
+
+def header(op: int, nbytes: int, rows: int) -> torch.Tensor:
+    """What every message from rank 0 starts with: its op (STEP or STOP), the plan's bytes and the step's rows."""
+    return torch.tensor([op, nbytes, rows], dtype=torch.int64)
 
 
 def wait_all(works: list) -> None:
@@ -57,6 +63,7 @@ class RankGroup:
         self.on_lost: list[Callable[[str], None]] = []
         self._closing = False
         self._lost_named = threading.Event()
+        self._loss_tasks: set = set()
         self.threads = threads or max(1, (os.cpu_count() or 1) // world)
         store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
                               wait_for_workers=False)
@@ -107,6 +114,19 @@ class RankGroup:
                 cb(reason)
             except Exception:
                 log.exception("on_lost callback failed")
+
+    def call_on_loss(self, loop, handler: Callable[[str], object]) -> None:
+        """Run coroutine function `handler(reason)` on `loop` once a rank is lost (at once if one already is)."""
+        def start(reason: str) -> None:
+            task = loop.create_task(handler(reason))  # held until it ends: the loop keeps only weak references
+            self._loss_tasks.add(task)
+            task.add_done_callback(self._loss_tasks.discard)
+
+        def schedule(reason: str) -> None:
+            loop.call_soon_threadsafe(start, reason)
+        self.on_lost.append(schedule)
+        if self.lost is not None:
+            schedule(self.lost)
 
     def check(self) -> None:
         if self.lost is not None:
